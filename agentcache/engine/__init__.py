@@ -1,0 +1,25 @@
+"""Engines: the protocol, the embedded PyTorch engine, RoPE re-alignment, the paged block pool."""
+
+from agentcache.engine.blocks import Block, BlockPool, PoolStats, block_hash
+from agentcache.engine.embedded import EmbeddedEngine, EngineConfig
+from agentcache.engine.eviction import EVICTION_POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
+from agentcache.engine.kv import KVLayout, SegmentKV
+from agentcache.engine.protocol import (
+    Engine,
+    ExecRequest,
+    ExecResult,
+    SamplingParams,
+    SegmentOutcome,
+    SegmentPlan,
+    Step,
+)
+from agentcache.engine.rope import RopeAligner, rotate_keys
+
+__all__ = [
+    "Block", "BlockPool", "PoolStats", "block_hash",
+    "EmbeddedEngine", "EngineConfig",
+    "EVICTION_POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy",
+    "KVLayout", "SegmentKV",
+    "Engine", "ExecRequest", "ExecResult", "SamplingParams", "SegmentOutcome", "SegmentPlan", "Step",
+    "RopeAligner", "rotate_keys",
+]

@@ -1,0 +1,272 @@
+"""Paged block pool: fixed-size token blocks, chained hashes, reference counts, pluggable eviction.
+
+A block holds the KV of `block_size` consecutive tokens. Its hash chains the parent's hash, its
+own token ids and a salt; a hash hit is trusted only after the stored tokens and parent match.
+Exact KV is stored unsalted. KV that is approximate (a corrected or reused segment, or anything
+computed after one) is stored under the salt of its lineage, so it can serve that lineage's own
+later calls but never another request's exact prefix lookup.
+
+The pool can run without tensors (`layout=None`) to replay traces through the same bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from agentcache.engine.eviction import EvictionPolicy, make_policy
+from agentcache.engine.kv import KVLayout
+from agentcache.errors import CapacityError
+
+__all__ = ["Block", "BlockPool", "PoolStats", "block_hash"]
+
+_ROOT = b"agentcache-root"
+
+
+def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
+    """Hash of a block from its parent's hash, its tokens and its salt (None for exact KV)."""
+    digest = hashlib.blake2b(parent_hash or _ROOT, digest_size=16)
+    digest.update(b"\x00" if salt is None else b"\x01" + salt.encode() + b"\x00")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass(eq=False)
+class Block:
+    """Metadata of one cached block; the KV lives in the pool's storage at row `block_id`."""
+
+    block_id: int
+    block_hash: bytes
+    token_ids: tuple[int, ...]
+    parent: "Block | None"
+    salt: str | None
+    owner: str | None  # who stored it (an agent name), for agent-aware policies
+    created: int
+    last_access: int
+    hits: int = 0
+    ref_count: int = 0
+    num_children: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return self.salt is None
+
+    @property
+    def depth(self) -> int:
+        """Blocks before this one in its chain."""
+        depth, node = 0, self.parent
+        while node is not None:
+            depth, node = depth + 1, node.parent
+        return depth
+
+
+@dataclass
+class PoolStats:
+    lookups: int = 0  # recorded by the pool's user (the engine, a trace replay)
+    lookup_blocks: int = 0  # full blocks asked for across those lookups
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    store_skipped: int = 0  # blocks not cached because nothing was evictable
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+
+
+@dataclass
+class BlockPool:
+    capacity: int
+    block_size: int = 16
+    policy: EvictionPolicy | str = "lru"
+    layout: KVLayout | None = None
+    device: torch.device | str = "cpu"
+    stats: PoolStats = field(default_factory=PoolStats)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise CapacityError(f"block pool capacity must be at least 1 block, got {self.capacity}")
+        if self.block_size < 1:
+            raise CapacityError(f"block size must be at least 1 token, got {self.block_size}")
+        self.policy = make_policy(self.policy)
+        self._blocks: dict[int, Block] = {}
+        self._index: dict[bytes, Block] = {}
+        self._free_ids = list(range(self.capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._clock = 0
+        self.key_storage: torch.Tensor | None = None
+        self.value_storage: torch.Tensor | None = None
+        if self.layout is not None:
+            lay = self.layout
+            shape = (self.capacity, lay.num_layers, lay.num_kv_heads, self.block_size, lay.head_dim)
+            # torch.empty maps pages lazily: untouched capacity costs no resident memory.
+            self.key_storage = torch.empty(shape, dtype=lay.dtype, device=self.device)  # (N, L, H, B, D)
+            self.value_storage = torch.empty(shape, dtype=lay.dtype, device=self.device)
+
+    # --- queries -------------------------------------------------------------------------
+
+    @property
+    def num_used(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_evictable(self) -> int:
+        # Ancestors of a referenced block are referenced too (chains are acquired from the root),
+        # so every unreferenced block can be freed by evicting leaves first.
+        return sum(1 for b in self._blocks.values() if b.ref_count == 0)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return self.num_free + self.num_evictable >= num_blocks
+
+    def blocks(self) -> list[Block]:
+        return list(self._blocks.values())
+
+    def get(self, block_hash_: bytes) -> Block | None:
+        return self._index.get(block_hash_)
+
+    def match(self, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
+        """The longest chain of cached full blocks that prefixes `token_ids`.
+
+        Each block is looked up exact first, then under `salt` (the caller's lineage). Nothing
+        is touched or referenced: call `acquire` on what you use.
+        """
+        chain: list[Block] = []
+        parent: Block | None = None
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            found = None
+            for candidate_salt in (None, salt) if salt is not None else (None,):
+                block = self._index.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt))
+                if block is not None and block.token_ids == tokens and block.parent is parent:
+                    found = block
+                    break
+            if found is None:
+                break
+            chain.append(found)
+            parent = found
+        return chain
+
+    # --- reference counting ----------------------------------------------------------------
+
+    def acquire(self, blocks: Sequence[Block], *, hit: bool = True) -> None:
+        """Reference blocks for the duration of a call; counts as an access (and a hit)."""
+        now = self._tick()
+        for block in blocks:
+            block.ref_count += 1
+            block.last_access = now
+            if hit:
+                block.hits += 1
+        if hit:
+            self.stats.hit_blocks += len(blocks)
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} released more often than acquired")
+            block.ref_count -= 1
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def gather(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of a chain of blocks, each (L, H, n·B, D)."""
+        if self.key_storage is None:
+            raise RuntimeError("this block pool holds no tensors (layout=None)")
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=self.key_storage.device)
+        keys = self.key_storage.index_select(0, ids)  # (n, L, H, B, D)
+        values = self.value_storage.index_select(0, ids)
+        n, lay, heads, bs, dim = keys.shape
+        keys = keys.permute(1, 2, 0, 3, 4).reshape(lay, heads, n * bs, dim)  # (L, H, n·B, D)
+        values = values.permute(1, 2, 0, 3, 4).reshape(lay, heads, n * bs, dim)
+        return keys, values
+
+    def store(
+        self,
+        parent: Block | None,
+        token_ids: Sequence[int],
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        *,
+        salt: str | None = None,
+        owner: str | None = None,
+    ) -> Block:
+        """Cache one full block after `parent` and return it acquired (the caller releases it).
+
+        keys/values: (L, H, B, D). An identical block already cached is returned instead.
+        Raises CapacityError when the pool is full and nothing can be evicted.
+        """
+        tokens = tuple(token_ids)
+        if len(tokens) != self.block_size:
+            raise ValueError(f"a block holds exactly {self.block_size} tokens, got {len(tokens)}")
+        if parent is not None and self._index.get(parent.block_hash) is not parent:
+            raise ValueError(f"parent block {parent.block_id} is no longer cached")
+        key = block_hash(parent.block_hash if parent else None, tokens, salt)
+        existing = self._index.get(key)
+        if existing is not None and existing.token_ids == tokens and existing.parent is parent:
+            self.acquire([existing], hit=False)
+            return existing
+        block_id = self._allocate_id()
+        if self.key_storage is not None:
+            self.key_storage[block_id] = keys
+            self.value_storage[block_id] = values
+        now = self._tick()
+        block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, ref_count=1)
+        self._blocks[block_id] = block
+        self._index[key] = block
+        if parent is not None:
+            parent.num_children += 1
+        self.stats.stored_blocks += 1
+        return block
+
+    # --- eviction -------------------------------------------------------------------------------
+
+    def _allocate_id(self) -> int:
+        if not self._free_ids:
+            self.evict(1)
+        return self._free_ids.pop()
+
+    def evict(self, num_blocks: int) -> list[Block]:
+        """Free `num_blocks` blocks, lowest policy priority first, leaves before their parents."""
+        if num_blocks > self.num_evictable:
+            raise CapacityError(
+                f"cannot evict {num_blocks} blocks: only {self.num_evictable} of {self.num_used} cached "
+                f"blocks are unreferenced (capacity {self.capacity}); the pool is too small for this call"
+            )
+        priority = self.policy.priority
+        heap = [
+            (priority(b), b.block_id, b) for b in self._blocks.values() if b.ref_count == 0 and b.num_children == 0
+        ]
+        heapq.heapify(heap)
+        evicted = []
+        while len(evicted) < num_blocks:
+            _, _, block = heapq.heappop(heap)
+            self._remove(block)
+            evicted.append(block)
+            parent = block.parent
+            if parent is not None and parent.ref_count == 0 and parent.num_children == 0:
+                heapq.heappush(heap, (priority(parent), parent.block_id, parent))
+        return evicted
+
+    def _remove(self, block: Block) -> None:
+        del self._blocks[block.block_id]
+        del self._index[block.block_hash]
+        if block.parent is not None:
+            block.parent.num_children -= 1
+        self._free_ids.append(block.block_id)
+        self.stats.evictions += 1
+
+    def clear(self) -> None:
+        """Drop every unreferenced block."""
+        self.evict(self.num_evictable)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock

@@ -1,0 +1,338 @@
+"""The embedded engine: HF transformers causal LMs driven by our own prefill and decode loop.
+
+Per call: look up the exact prefix cache over the leading PREFIX segments, copy the hit blocks
+into the call's working cache, then walk the segments, prefilling dense runs in chunks and
+appending injected KV (re-aligned when it was computed elsewhere). Logits are computed for the
+last position only. After decoding, every full block of the call is cached: exact blocks
+unsalted, blocks at or after the first approximate token under the call's lineage salt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from agentcache.engine.blocks import Block, BlockPool
+from agentcache.engine.eviction import EvictionPolicy
+from agentcache.engine.kv import CallCache, KVLayout, SegmentKV
+from agentcache.engine.protocol import (
+    ExecRequest,
+    ExecResult,
+    SegmentOutcome,
+    SegmentPlan,
+    Step,
+)
+from agentcache.engine.rope import RopeAligner
+from agentcache.engine.sampling import choose_token, find_stop
+from agentcache.errors import (
+    CapacityError,
+    ContextLengthError,
+    KVShapeError,
+    ModelLoadError,
+    PlanError,
+    RopeAlignmentError,
+    SegmentError,
+)
+from agentcache.models import DEFAULT_MODEL, LoadedModel, load_model
+
+__all__ = ["EmbeddedEngine", "EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    pool_bytes: int = 512 * 2**20  # KV bytes the prefix cache may hold
+    pool_blocks: int | None = None  # overrides pool_bytes when set
+    eviction: str | EvictionPolicy = "lru"
+    prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
+    device: str = "cpu"
+
+
+def _layout_of(model: torch.nn.Module) -> KVLayout:
+    """Probe one token through the model and read the KV shape of every layer."""
+    from transformers import DynamicCache
+
+    config = model.config
+    probe = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
+    shapes = {tuple(layer.keys.shape[1::2]) for layer in probe.layers}  # {(H, D)}
+    if len(shapes) != 1:
+        raise ModelLoadError(
+            f"model type '{config.model_type}' has layers with different KV shapes {sorted(shapes)}; "
+            "the embedded engine supports uniform KV layouts"
+        )
+    (heads, dim), = shapes
+    dtype = probe.layers[0].keys.dtype
+    return KVLayout(num_layers=len(probe.layers), num_kv_heads=heads, head_dim=dim, dtype=dtype)
+
+
+class EmbeddedEngine:
+    """An in-process engine over an HF causal LM with a paged exact prefix cache."""
+
+    def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.model_name = loaded.name
+        self.model = loaded.model.to(self.config.device).eval()
+        self.tokenizer = loaded.tokenizer
+        self.requires_bos = loaded.requires_bos
+        self.max_context = loaded.max_context
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.bos_token_id = self.tokenizer.bos_token_id
+        eos = self.model.config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        self.block_size = self.config.block_size
+        self.layout = _layout_of(self.model)
+        capacity = self.config.pool_blocks or max(
+            1, self.config.pool_bytes // (self.layout.bytes_per_token * self.block_size)
+        )
+        self.pool = BlockPool(capacity, self.block_size, self.config.eviction, self.layout, self.config.device)
+        try:
+            self._rope: RopeAligner | None = RopeAligner.from_model(self.model)
+            self._rope_error: RopeAlignmentError | None = None
+        except RopeAlignmentError as exc:
+            self._rope, self._rope_error = None, exc
+        self._lock = threading.RLock()
+
+    # --- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
+        """Token ids of `text` without special tokens; `bos=True` puts the BOS token first."""
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # --- KV helpers -------------------------------------------------------------------------
+
+    @property
+    def supports_realignment(self) -> bool:
+        return self._rope is not None
+
+    def realign(self, kv: SegmentKV, start: int) -> SegmentKV:
+        """The same KV moved to positions start..; exact only if it did not move."""
+        if start == kv.start:
+            return kv
+        if self._rope is None:
+            raise self._rope_error
+        return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start, exact=False)
+
+    def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int:
+        """Tokens of `token_ids` an exact (or own-lineage) prefix hit would serve now."""
+        with self._lock:
+            return len(self.pool.match(token_ids, lineage)) * self.block_size
+
+    # --- execution ------------------------------------------------------------------------------
+
+    def execute(self, request: ExecRequest) -> ExecResult:
+        with self._lock, torch.inference_mode():
+            prompt = request.token_ids
+            self._validate(request, prompt)
+            return self._execute(request, prompt)
+
+    def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_context:
+            raise ContextLengthError(
+                f"call needs {len(prompt)} prompt + {request.sampling.max_tokens} generated tokens = {total}, "
+                f"more than {self.model_name}'s context of {self.max_context} tokens"
+            )
+        if self.requires_bos and prompt[0] != self.bos_token_id:
+            raise PlanError(
+                f"{self.model_name} needs its BOS token (id {self.bos_token_id}) first; the call starts with "
+                f"id {prompt[0]}: tokenize the first segment with bos=True"
+            )
+        start = 0
+        for seg in request.segments:
+            bad = [t for t in seg.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise SegmentError(
+                    f"segment '{seg.name}': token ids {bad[:5]} are not ints in [0, {self.vocab_size})"
+                )
+            if seg.step is Step.INJECT:
+                kv = seg.kv
+                kv.check(self.layout, len(seg.token_ids), f"segment '{seg.name}'")
+                if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
+                    raise KVShapeError(f"segment '{seg.name}': injected KV contains NaN or Inf")
+                if kv.start != start and self._rope is None:
+                    raise self._rope_error
+            start += len(seg.token_ids)
+
+    def _execute(self, request: ExecRequest, prompt: list[int]) -> ExecResult:
+        started = time.perf_counter()
+        bs = self.block_size
+        sampling = request.sampling
+
+        lead = 0  # tokens of the leading PREFIX segments, the only ones looked up
+        for seg in request.segments:
+            if seg.step is not Step.PREFIX:
+                break
+            lead += len(seg.token_ids)
+        self.pool.stats.lookups += 1
+        self.pool.stats.lookup_blocks += lead // bs
+        chain = self.pool.match(prompt[:lead], request.lineage)
+        chain = chain[: (len(prompt) - 1) // bs]  # the last prompt token is always computed for its logits
+        self.pool.acquire(chain)
+        held: list[Block] = list(chain)
+        try:
+            cache = CallCache(self.layout, len(prompt) + sampling.max_tokens, torch.device(self.config.device))
+            hit = len(chain) * bs
+            first_approx = next((i * bs for i, b in enumerate(chain) if not b.exact), None)
+            if chain:
+                cache.append(*self.pool.gather(chain))
+
+            counts = self._materialize(request.segments, prompt, cache, hit)
+            logits, spans, first_inject_approx = counts
+            if first_inject_approx is not None and (first_approx is None or first_inject_approx < first_approx):
+                first_approx = first_inject_approx
+
+            generated, text, finish, ttft = self._decode(cache, logits, sampling, started)
+            outcomes = [
+                SegmentOutcome(
+                    name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
+                    cached_tokens=c, computed_tokens=d, injected_tokens=j,
+                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx) if request.capture_kv else None,
+                )
+                for seg, (s, c, d, j) in zip(request.segments, spans)
+            ]
+            fed = generated[:-1]  # the last generated token was never fed back, so it has no KV
+            generated_kv = (
+                self._capture(cache, len(prompt), len(prompt) + len(fed), first_approx)
+                if request.capture_kv and fed
+                else None
+            )
+            held += self._store_blocks(prompt + fed, cache, chain, first_approx, request)
+            return ExecResult(
+                token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt),
+                cached_tokens=hit, ttft_s=ttft, total_s=time.perf_counter() - started,
+                segments=outcomes, last_logits=logits, generated_kv=generated_kv,
+            )
+        finally:
+            self.pool.release(held)
+
+    def _materialize(
+        self, segments: Sequence[SegmentPlan], prompt: list[int], cache: CallCache, hit: int
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]], int | None]:
+        """Fill the call cache past the prefix hit. Returns the last position's logits, per-segment
+        (start, cached, computed, injected) counts, and the first approximate token position."""
+        spans = []
+        pending_from: int | None = None  # start of a dense run not yet prefilled
+        logits = None
+        first_approx = None
+        pos = 0
+        last = len(segments) - 1
+        for index, seg in enumerate(segments):
+            n = len(seg.token_ids)
+            cached = min(max(hit - pos, 0), n)
+            if seg.step is Step.INJECT:
+                if pending_from is not None:
+                    logits = self._prefill(cache, prompt[pending_from:pos], pending_from)
+                    pending_from = None
+                # The final prompt token must run through the model for its logits.
+                inject = n - 1 if index == last else n
+                if inject:
+                    kv = self.realign(seg.kv, pos).slice(0, inject)
+                    cache.append(kv.keys, kv.values)
+                    if not (seg.kv.exact and seg.kv.start == pos) and first_approx is None:
+                        first_approx = pos
+                if inject < n:
+                    pending_from = pos + inject
+                spans.append((pos, 0, n - inject, inject))
+            else:
+                if cached < n and pending_from is None:
+                    pending_from = pos + cached
+                spans.append((pos, cached, n - cached, 0))
+            pos += n
+        if pending_from is not None:
+            logits = self._prefill(cache, prompt[pending_from:], pending_from)
+        return logits, spans, first_approx
+
+    def _forward(self, cache: CallCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """One forward pass of tokens placed at start..; returns the last position's logits (V,)."""
+        device = cache.key_buffer.device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # (1, T)
+        positions = torch.arange(start, start + len(token_ids), device=device)[None]  # (1, T)
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.advance(len(token_ids))
+        return out.logits[0, -1].float()
+
+    def _prefill(self, cache: CallCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        chunk = self.config.prefill_chunk
+        logits = None
+        for offset in range(0, len(token_ids), chunk):
+            logits = self._forward(cache, token_ids[offset : offset + chunk], start + offset)
+        return logits
+
+    def _decode(
+        self, cache: CallCache, logits: torch.Tensor, sampling, started: float
+    ) -> tuple[list[int], str, str, float]:
+        generator = None
+        if sampling.temperature > 0 and sampling.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        token = choose_token(logits.cpu(), sampling.temperature, sampling.top_p, generator)
+        ttft = time.perf_counter() - started
+        generated = [token]
+        text, finish = "", "length"
+        while True:
+            if token in self.eos_token_ids and not sampling.ignore_eos:
+                finish = "eos"
+                break
+            if sampling.stop:
+                previous = len(text)
+                text = self.detokenize(generated)
+                cut = find_stop(text, sampling.stop, previous)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+            if len(generated) >= sampling.max_tokens:
+                break
+            logits = self._forward(cache, [token], cache.length)
+            token = choose_token(logits.cpu(), sampling.temperature, sampling.top_p, generator)
+            generated.append(token)
+        if finish != "stop":
+            text = self.detokenize(generated)
+        return generated, text, finish, ttft
+
+    def _capture(self, cache: CallCache, begin: int, end: int, first_approx: int | None) -> SegmentKV:
+        keys, values = cache.view(begin, end)
+        exact = first_approx is None or end <= first_approx
+        return SegmentKV(keys.clone(), values.clone(), begin, exact=exact)
+
+    def _store_blocks(
+        self,
+        token_ids: list[int],
+        cache: CallCache,
+        chain: list[Block],
+        first_approx: int | None,
+        request: ExecRequest,
+    ) -> list[Block]:
+        """Cache every full block past the hit; returns the blocks stored (acquired)."""
+        bs = self.block_size
+        stored: list[Block] = []
+        parent = chain[-1] if chain else None
+        for index in range(len(chain), min(len(token_ids), cache.length) // bs):
+            begin, end = index * bs, (index + 1) * bs
+            approximate = first_approx is not None and end > first_approx
+            if approximate and request.lineage is None:
+                break  # approximate KV without a lineage is never cached
+            keys, values = cache.view(begin, end)
+            try:
+                block = self.pool.store(
+                    parent, token_ids[begin:end], keys, values,
+                    salt=request.lineage if approximate else None, owner=request.owner,
+                )
+            except CapacityError:
+                self.pool.stats.store_skipped += min(len(token_ids), cache.length) // bs - index
+                break
+            stored.append(block)
+            parent = block
+        return stored

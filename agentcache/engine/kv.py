@@ -1,0 +1,151 @@
+"""KV tensors as the engine hands them out and takes them in, and the working cache of one call.
+
+Layout everywhere: keys and values stacked over layers, `(L, H, T, D)` = (layers, KV heads,
+tokens, head dim). Keys are stored after RoPE, so a segment's KV is tied to its start position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from agentcache.errors import KVShapeError
+
+__all__ = ["KVLayout", "SegmentKV", "CallCache"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The per-token KV shape of a model: every layer has `num_kv_heads` heads of `head_dim`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SegmentKV:
+    """The KV of a contiguous run of tokens placed at `start`.
+
+    `exact` is True only when the KV equals what a dense prefill of the same tokens under the
+    same preceding context would produce; corrected or reused-from-elsewhere KV is not exact.
+    """
+
+    keys: torch.Tensor  # (L, H, T, D), after RoPE at positions start..start+T-1
+    values: torch.Tensor  # (L, H, T, D)
+    start: int
+    exact: bool = False
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def check(self, layout: KVLayout, length: int, what: str) -> None:
+        """Raise KVShapeError unless this KV fits `layout` and covers exactly `length` tokens."""
+        expected = (layout.num_layers, layout.num_kv_heads, length, layout.head_dim)
+        for name, tensor in (("keys", self.keys), ("values", self.values)):
+            if not isinstance(tensor, torch.Tensor):
+                raise KVShapeError(f"{what}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != expected:
+                raise KVShapeError(
+                    f"{what}: {name} have shape {tuple(tensor.shape)}, expected {expected} "
+                    f"(layers, kv heads, tokens, head dim) for a {length}-token segment"
+                )
+            if tensor.dtype != layout.dtype:
+                raise KVShapeError(f"{what}: {name} have dtype {tensor.dtype}, the model uses {layout.dtype}")
+        if self.start < 0:
+            raise KVShapeError(f"{what}: start position {self.start} is negative")
+
+    def slice(self, begin: int, end: int) -> "SegmentKV":
+        """Tokens [begin, end) of this segment (relative indices), keeping their positions."""
+        return SegmentKV(
+            self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin, self.exact
+        )
+
+
+class _BufferLayer(DynamicLayer):
+    """One layer of a CallCache: a view into preallocated buffers instead of concatenation."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "CallCache") -> None:
+        super().__init__()
+        self._key_buffer = keys  # (1, H, capacity, D)
+        self._value_buffer = values
+        self._owner = owner
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._sync()
+
+    def _sync(self) -> None:
+        n = self._owner.length
+        self.keys = self._key_buffer[:, :, :n]
+        self.values = self._value_buffer[:, :, :n]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: (1, H, q, D) for the tokens being prefilled at positions length..length+q-1
+        start = self._owner.length
+        end = start + key_states.shape[-2]
+        if end > self._key_buffer.shape[2]:
+            raise KVShapeError(f"call cache overflow: {end} tokens, capacity {self._key_buffer.shape[2]}")
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self._owner.length
+
+
+class CallCache(Cache):
+    """The KV of one call, contiguous from position 0, in buffers sized for prompt plus generation.
+
+    The HF model writes into it through `update` (per layer); the engine then calls `advance`
+    once per forward pass. Injected and prefix-hit KV enter through `append`.
+    """
+
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device) -> None:
+        shape = (layout.num_layers, 1, layout.num_kv_heads, capacity, layout.head_dim)
+        self.key_buffer = torch.empty(shape, dtype=layout.dtype, device=device)  # (L, 1, H, C, D)
+        self.value_buffer = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.length = 0
+        self.capacity = capacity
+        layers = [_BufferLayer(self.key_buffer[i], self.value_buffer[i], self) for i in range(layout.num_layers)]
+        super().__init__(layers=layers)
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit `num_tokens` written by the model's last forward pass."""
+        self.length += num_tokens
+        for layer in self.layers:
+            layer._sync()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append KV for the next tokens: keys/values (L, H, T, D), already at the right positions."""
+        n = keys.shape[2]
+        if self.length + n > self.capacity:
+            raise KVShapeError(f"call cache overflow: {self.length + n} tokens, capacity {self.capacity}")
+        self.key_buffer[:, 0, :, self.length : self.length + n] = keys
+        self.value_buffer[:, 0, :, self.length : self.length + n] = values
+        self.advance(n)
+
+    def view(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [begin, end), each (L, H, T, D); views, not copies."""
+        return self.key_buffer[:, 0, :, begin:end], self.value_buffer[:, 0, :, begin:end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length

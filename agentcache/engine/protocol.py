@@ -1,0 +1,161 @@
+"""The Engine contract: what the runtime asks of any engine (embedded PyTorch, vLLM).
+
+One call = an ordered list of segments, each with a plan step:
+
+- `PREFIX`: serve the segment from the exact prefix cache as far as the pool holds it, prefill
+  the rest densely. Only a leading run of PREFIX segments is looked up.
+- `DENSE`: prefill the segment under the call's real preceding context.
+- `INJECT`: use the given KV for the segment (re-aligned to its position if needed).
+
+The engine reports, per segment, how each token was materialized, and hands back the KV of
+every segment and of the generated tokens with the positions they sit at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from agentcache.engine.kv import KVLayout, SegmentKV
+from agentcache.errors import PlanError, SegmentError
+
+__all__ = [
+    "Step",
+    "SegmentPlan",
+    "SamplingParams",
+    "ExecRequest",
+    "SegmentOutcome",
+    "ExecResult",
+    "Engine",
+]
+
+
+class Step(str, Enum):
+    PREFIX = "prefix"
+    DENSE = "dense"
+    INJECT = "inject"
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """One segment of a call and how to materialize it."""
+
+    name: str
+    token_ids: Sequence[int]
+    step: Step = Step.PREFIX
+    kv: SegmentKV | None = None  # required for INJECT: KV of exactly these tokens
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "step", Step(self.step))
+        except ValueError:
+            raise PlanError(
+                f"segment '{self.name}': unknown plan step {self.step!r}; use one of {[s.value for s in Step]}"
+            ) from None
+        if len(self.token_ids) == 0:
+            raise SegmentError(
+                f"segment '{self.name}' is empty; a segment must have at least one token "
+                "(text that tokenizes to nothing cannot be a segment)"
+            )
+        if self.step is Step.INJECT and self.kv is None:
+            raise PlanError(f"segment '{self.name}': step 'inject' needs the segment's KV (kv=SegmentKV)")
+        if self.step is not Step.INJECT and self.kv is not None:
+            raise PlanError(f"segment '{self.name}': KV was given but the step is '{self.step.value}', not 'inject'")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise PlanError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise PlanError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise PlanError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise PlanError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    segments: Sequence[SegmentPlan]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    lineage: str | None = None  # salt for caching approximate KV; None: approximate KV is not cached
+    owner: str | None = None  # who runs the call (an agent name), recorded on stored blocks
+    capture_kv: bool = True  # hand back each segment's KV (copies)
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise PlanError("a call needs at least one segment")
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for seg in self.segments for t in seg.token_ids]
+
+
+@dataclass(frozen=True)
+class SegmentOutcome:
+    name: str
+    step: Step
+    start: int
+    length: int
+    cached_tokens: int  # served by an exact (or own-lineage) prefix hit
+    computed_tokens: int  # prefilled densely
+    injected_tokens: int  # taken from the plan's KV
+    kv: SegmentKV | None  # what the segment's KV became in this call
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    token_ids: list[int]  # generated
+    text: str
+    finish_reason: str  # "stop" (a stop string), "eos", "length"
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    total_s: float
+    segments: list[SegmentOutcome]
+    last_logits: torch.Tensor  # (V,) float32 logits at the last prompt position
+    generated_kv: SegmentKV | None  # KV of the generated tokens fed back (all but the last)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(s.computed_tokens for s in self.segments)
+
+    @property
+    def injected_tokens(self) -> int:
+        return sum(s.injected_tokens for s in self.segments)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine provides. `tests/test_engine_conformance.py` checks an implementation."""
+
+    model_name: str
+    block_size: int
+    layout: KVLayout
+    max_context: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def tokenize(self, text: str, *, bos: bool = False) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int: ...
+
+    def realign(self, kv: SegmentKV, start: int) -> SegmentKV: ...
+
+    def execute(self, request: ExecRequest) -> ExecResult: ...

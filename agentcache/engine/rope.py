@@ -1,0 +1,89 @@
+"""RoPE re-alignment: move cached keys from start position p to q.
+
+Keys are cached after the rotary embedding, k_p = R(p)·k. Rotations compose, so the key the
+model would have produced at q is R(q − p)·k_p. The angle per frequency is linear in the
+position only for static rotary schemes (default, linear, llama3): there `inv_freq` does not
+depend on the sequence length and the attention scaling factor cancels. Dynamic NTK and
+longrope change `inv_freq` with the length and are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentcache.errors import RopeAlignmentError
+
+__all__ = ["RopeAligner", "rotate_keys", "SUPPORTED_ROPE_TYPES"]
+
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys by `delta` positions (HF rotate-half layout).
+
+    keys: (L, H, T, D); inv_freq: (L, D/2) float64, one row per layer. Returns a new tensor.
+    """
+    if delta == 0:
+        return keys.clone()
+    half = keys.shape[-1] // 2
+    angle = float(delta) * inv_freq  # (L, D/2), float64 so large deltas keep their precision
+    cos = angle.cos().to(keys.dtype)[:, None, None, :]  # (L, 1, 1, D/2)
+    sin = angle.sin().to(keys.dtype)[:, None, None, :]
+    first, second = keys[..., :half], keys[..., half:]  # (L, H, T, D/2) each
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+@dataclass(frozen=True)
+class RopeAligner:
+    """Per-layer inverse frequencies of a model's rotary embedding, for exact re-alignment."""
+
+    inv_freq: torch.Tensor  # (L, D/2) float64
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "RopeAligner":
+        """Read the model's own rotary settings, per layer; raise RopeAlignmentError if not exact."""
+        config = model.config
+        family = getattr(config, "model_type", "?")
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        if rotary is None:
+            raise RopeAlignmentError(
+                f"model type '{family}' has no `model.rotary_emb` module; agentcache re-aligns only "
+                "HF rotary (RoPE) decoders such as Llama, Qwen2 and Gemma 3"
+            )
+        num_layers = int(config.num_hidden_layers)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+        rows = []
+        for layer_type in layer_types:
+            if hasattr(rotary, f"{layer_type}_inv_freq"):  # per-type rotary (Gemma 3)
+                inv_freq = getattr(rotary, f"{layer_type}_original_inv_freq", getattr(rotary, f"{layer_type}_inv_freq"))
+                rope_type = rotary.rope_type.get(layer_type, "default")
+            elif hasattr(rotary, "inv_freq"):
+                inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
+                rope_type = getattr(rotary, "rope_type", "default")
+            else:
+                raise RopeAlignmentError(
+                    f"model type '{family}': cannot find the inverse frequencies of layer type '{layer_type}'"
+                )
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise RopeAlignmentError(
+                    f"model type '{family}' uses rope type '{rope_type}', whose frequencies depend on the "
+                    f"sequence length; exact re-alignment supports {sorted(SUPPORTED_ROPE_TYPES)}"
+                )
+            if 2 * inv_freq.numel() != head_dim:
+                raise RopeAlignmentError(
+                    f"model type '{family}' rotates {2 * inv_freq.numel()} of {head_dim} head dims "
+                    "(partial rotary); exact re-alignment supports full-dimension rotary only"
+                )
+            rows.append(inv_freq.detach().to(torch.float64).cpu())
+        return cls(torch.stack(rows))
+
+    def realign(self, keys: torch.Tensor, from_start: int, to_start: int) -> torch.Tensor:
+        """Keys (L, H, T, D) cached at positions from_start.. moved to to_start..; a new tensor."""
+        if keys.shape[0] != self.inv_freq.shape[0]:
+            raise RopeAlignmentError(
+                f"keys have {keys.shape[0]} layers, the model has {self.inv_freq.shape[0]}"
+            )
+        return rotate_keys(keys, to_start - from_start, self.inv_freq.to(keys.device))

@@ -1,0 +1,44 @@
+"""Exceptions raised by agentcache. Each message says what was wrong and what to do."""
+
+__all__ = [
+    "AgentCacheError",
+    "ModelLoadError",
+    "SegmentError",
+    "PlanError",
+    "ContextLengthError",
+    "KVShapeError",
+    "RopeAlignmentError",
+    "CapacityError",
+]
+
+
+class AgentCacheError(Exception):
+    """Base class of every error agentcache raises on purpose."""
+
+
+class ModelLoadError(AgentCacheError):
+    """A model name or path could not be resolved or loaded."""
+
+
+class SegmentError(AgentCacheError, ValueError):
+    """A segment of a call is malformed (empty, bad token ids, ...)."""
+
+
+class PlanError(AgentCacheError, ValueError):
+    """An execution plan asks for something the engine cannot do."""
+
+
+class ContextLengthError(AgentCacheError, ValueError):
+    """A call (prompt plus generation budget) exceeds the model's context window."""
+
+
+class KVShapeError(AgentCacheError, ValueError):
+    """Given KV tensors do not match the model's layout or the segment they claim to cover."""
+
+
+class RopeAlignmentError(AgentCacheError):
+    """The model's rotary position scheme cannot be re-aligned exactly."""
+
+
+class CapacityError(AgentCacheError, ValueError):
+    """A block pool is too small for what was asked of it."""
