@@ -1,0 +1,45 @@
+"""Shared fixtures: one engine per preset per session (building them is cheap, loading Gemma is not)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentcache.engine import EmbeddedEngine, EngineConfig
+
+TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3"]
+
+_engines: dict[tuple, EmbeddedEngine] = {}
+
+
+def make_engine(preset: str, **config) -> EmbeddedEngine:
+    """A fresh engine (its own pool) for `preset`; the model weights are shared per preset."""
+    key = (preset,)
+    if key not in _engines:
+        _engines[key] = EmbeddedEngine(preset)
+    base = _engines[key]
+    from agentcache.models import LoadedModel
+
+    loaded = LoadedModel(base.model_name, base.model, base.tokenizer, base.requires_bos)
+    return EmbeddedEngine(loaded, EngineConfig(**config))
+
+
+@pytest.fixture(params=TINY_PRESETS)
+def tiny_engine(request) -> EmbeddedEngine:
+    return make_engine(request.param, pool_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def gemma_engine() -> EmbeddedEngine:
+    return make_engine("gemma3-270m", pool_blocks=512)
+
+
+def text_of_length(engine: EmbeddedEngine, words: int, seed: int = 0) -> str:
+    """Deterministic filler prose of roughly `words` words."""
+    import random
+
+    vocab = (
+        "the agent reads a shared query and plans a trip to paris with trains hotels museums "
+        "budget days weather food language local guide summary answer number seven twelve"
+    ).split()
+    rng = random.Random(seed)
+    return " ".join(rng.choice(vocab) for _ in range(words))

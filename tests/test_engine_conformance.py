@@ -1,0 +1,222 @@
+"""The Engine contract. Every engine implementation must pass this suite (parametrize `engine`)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from agentcache.engine import Engine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
+from agentcache.errors import ContextLengthError, KVShapeError, PlanError, SegmentError
+
+from conftest import TINY_PRESETS, make_engine, text_of_length
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(params=TINY_PRESETS)
+def engine(request):
+    return make_engine(request.param, pool_blocks=64)
+
+
+def three_segments(engine, seed=0):
+    return [
+        SegmentPlan("sys", engine.tokenize("System: you are the planner. " + text_of_length(engine, 6, seed), bos=True)),
+        SegmentPlan("query", engine.tokenize(" Query: " + text_of_length(engine, 12, seed + 1))),
+        SegmentPlan("glue", engine.tokenize(" Answer:")),
+    ]
+
+
+def as_one(segments, step=Step.PREFIX):
+    return [SegmentPlan("all", [t for s in segments for t in s.token_ids], step)]
+
+
+def with_steps(segments, step):
+    return [SegmentPlan(s.name, s.token_ids, step) for s in segments]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_satisfies_protocol(engine):
+    assert isinstance(engine, Engine)
+
+
+def test_segment_by_segment_prefill_equals_one_shot(engine):
+    segments = three_segments(engine)
+    one = engine.execute(ExecRequest(as_one(segments, Step.DENSE), GREEDY))
+    split = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    assert close(one.last_logits, split.last_logits)
+    assert one.token_ids == split.token_ids
+    for outcome in split.segments:
+        ref_keys = one.segments[0].kv.keys[:, :, outcome.start : outcome.start + outcome.length]
+        assert close(outcome.kv.keys, ref_keys)
+        assert outcome.kv.exact
+
+
+def test_chunked_prefill_equals_unchunked(engine):
+    chunked = make_engine(engine.model_name, pool_blocks=64, prefill_chunk=7)
+    segments = three_segments(engine)
+    a = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    b = chunked.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    assert close(a.last_logits, b.last_logits) and a.token_ids == b.token_ids
+
+
+def test_repeated_prefix_reports_cached_tokens_and_same_logits(engine):
+    segments = three_segments(engine)
+    cold = engine.execute(ExecRequest(segments, GREEDY))
+    assert cold.cached_tokens == 0
+    total = sum(len(s.token_ids) for s in segments)
+    expected = (total - 1) // engine.block_size * engine.block_size
+    assert engine.cached_prefix_length([t for s in segments for t in s.token_ids]) >= expected
+    warm = engine.execute(ExecRequest(segments, GREEDY))
+    assert warm.cached_tokens == expected > 0
+    assert sum(o.cached_tokens for o in warm.segments) == expected
+    assert warm.computed_tokens == total - expected
+    assert close(cold.last_logits, warm.last_logits)
+    assert cold.token_ids == warm.token_ids
+    # DENSE steps never use the cache.
+    dense = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    assert dense.cached_tokens == 0 and close(dense.last_logits, cold.last_logits)
+
+
+def test_generated_tokens_extend_the_cached_prefix(engine):
+    segments = three_segments(engine, seed=3)
+    first = engine.execute(ExecRequest(segments, SamplingParams(max_tokens=40, ignore_eos=True)))
+    follow_up = [t for s in segments for t in s.token_ids] + first.token_ids
+    assert engine.cached_prefix_length(follow_up) >= (len(follow_up) - 1) // engine.block_size * engine.block_size
+    assert first.generated_kv.start == first.prompt_tokens
+    assert first.generated_kv.length == len(first.token_ids) - 1
+
+
+def test_injecting_own_exact_kv_equals_dense(engine):
+    segments = three_segments(engine)
+    dense = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    query_kv = dense.segments[1].kv
+    glue_kv = dense.segments[2].kv
+    plan = [
+        SegmentPlan("sys", segments[0].token_ids, Step.DENSE),
+        SegmentPlan("query", segments[1].token_ids, Step.INJECT, query_kv),
+        SegmentPlan("glue", segments[2].token_ids, Step.INJECT, glue_kv),  # last: its final token is recomputed
+    ]
+    injected = engine.execute(ExecRequest(plan, GREEDY))
+    assert injected.segments[1].injected_tokens == len(segments[1].token_ids)
+    assert injected.segments[2].injected_tokens == len(segments[2].token_ids) - 1
+    assert injected.segments[2].computed_tokens == 1
+    assert close(dense.last_logits, injected.last_logits)
+    assert dense.token_ids == injected.token_ids
+    assert all(o.kv.exact for o in injected.segments)
+
+
+def _foreign_query_kv(engine, query_ids):
+    """The query's KV computed under another agent's prefix (approximate for ours)."""
+    other = engine.tokenize("System: you are the critic, terse. ", bos=True)
+    result = engine.execute(ExecRequest([SegmentPlan("sys", other), SegmentPlan("query", query_ids)], GREEDY))
+    return result.segments[1].kv
+
+
+def test_approximate_kv_serves_only_its_own_lineage(engine):
+    segments = three_segments(engine, seed=5)
+    foreign = _foreign_query_kv(engine, segments[1].token_ids)
+    assert foreign.start != len(segments[0].token_ids)
+    plan = [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, foreign), segments[2]]
+    approx = engine.execute(ExecRequest(plan, GREEDY, lineage="planner"))
+    assert not approx.segments[1].kv.exact and not approx.segments[2].kv.exact
+    assert approx.segments[0].kv.exact
+    prompt = [t for s in segments for t in s.token_ids]
+    sys_blocks = len(segments[0].token_ids) // engine.block_size
+    # Another request sees only the exact system-prompt blocks; the planner's lineage sees more.
+    assert engine.cached_prefix_length(prompt) == sys_blocks * engine.block_size
+    assert engine.cached_prefix_length(prompt, lineage="critic") == sys_blocks * engine.block_size
+    assert engine.cached_prefix_length(prompt, lineage="planner") > sys_blocks * engine.block_size
+    again = engine.execute(ExecRequest(segments, GREEDY, lineage="planner"))
+    assert again.cached_tokens > sys_blocks * engine.block_size
+    # Its own (approximate) context is what got reused: the hit part of the query is the injected KV.
+    reused = again.segments[1].cached_tokens
+    assert reused > 0
+    assert torch.equal(again.segments[1].kv.keys[:, :, :reused], approx.segments[1].kv.keys[:, :, :reused])
+    assert not again.segments[1].kv.exact
+    # Without a lineage, approximate KV is not cached at all.
+    fresh = make_engine(engine.model_name, pool_blocks=64)
+    fresh.execute(ExecRequest(plan, GREEDY))
+    assert fresh.cached_prefix_length(prompt, lineage="anything") <= sys_blocks * fresh.block_size
+
+
+def test_stop_strings_eos_and_max_tokens(engine):
+    segments = three_segments(engine)
+    free = engine.execute(ExecRequest(segments, SamplingParams(max_tokens=12, ignore_eos=True)))
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    if len(free.text) >= 3:
+        stop = free.text[1:3]
+        stopped = engine.execute(ExecRequest(segments, SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True)))
+        assert stopped.finish_reason == "stop"
+        assert stop not in stopped.text and free.text.startswith(stopped.text)
+
+
+def test_sampling_is_reproducible_with_a_seed(engine):
+    segments = three_segments(engine)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    a = engine.execute(ExecRequest(segments, params))
+    b = engine.execute(ExecRequest(segments, params))
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_input_raises_clear_errors_and_engine_stays_usable(engine):
+    segments = three_segments(engine)
+    baseline = engine.execute(ExecRequest(segments, GREEDY))
+    good_kv = baseline.segments[1].kv
+    n = len(segments[1].token_ids)
+    with pytest.raises(SegmentError, match="'query' is empty"):
+        SegmentPlan("query", engine.tokenize(""))
+    with pytest.raises(PlanError, match="unknown plan step 'recompute'"):
+        SegmentPlan("query", segments[1].token_ids, "recompute")
+    with pytest.raises(PlanError, match="needs the segment's KV"):
+        SegmentPlan("query", segments[1].token_ids, Step.INJECT)
+    bad_calls = {
+        "context": (ContextLengthError, [segments[0]], SamplingParams(max_tokens=engine.max_context)),
+        "short kv": (KVShapeError, [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, good_kv.slice(0, n - 1))], GREEDY),
+        "wrong heads": (KVShapeError, [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, SegmentKV(good_kv.keys[:, :1].repeat(1, 3, 1, 1), good_kv.values[:, :1].repeat(1, 3, 1, 1), good_kv.start))], GREEDY),
+        "nan": (KVShapeError, [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, SegmentKV(good_kv.keys * float("nan"), good_kv.values, good_kv.start))], GREEDY),
+        "vocab": (SegmentError, [segments[0], SegmentPlan("query", [10**7])], GREEDY),
+    }
+    if engine.requires_bos:
+        bad_calls["bos"] = (PlanError, segments[1:], GREEDY)
+    for label, (error, plan, params) in bad_calls.items():
+        with pytest.raises(error):
+            engine.execute(ExecRequest(plan, params))
+        after = engine.execute(ExecRequest(segments, GREEDY))
+        assert after.token_ids == baseline.token_ids, f"engine changed after bad input '{label}'"
+        assert close(after.last_logits, baseline.last_logits)
+    assert all(b.ref_count == 0 for b in engine.pool.blocks())
+
+
+def test_random_workload_never_serves_stale_kv(engine):
+    small = make_engine(engine.model_name, pool_blocks=6)
+    rng = random.Random(3)
+    heads = [small.tokenize(f"Agent {i}: " + text_of_length(small, 10, seed=i), bos=True) for i in range(4)]
+    for step in range(12):
+        plan = [SegmentPlan("sys", rng.choice(heads)), SegmentPlan("q", small.tokenize(" " + text_of_length(small, rng.randint(1, 8), seed=step)))]
+        cached = small.execute(ExecRequest(plan, SamplingParams(max_tokens=2, ignore_eos=True)))
+        dense = small.execute(ExecRequest(with_steps(plan, Step.DENSE), SamplingParams(max_tokens=2, ignore_eos=True)))
+        assert close(cached.last_logits, dense.last_logits), f"step {step}: cached prefix differs from dense"
+        assert small.pool.num_used <= small.pool.capacity
+    assert small.pool.stats.evictions > 0 and small.pool.stats.hit_blocks > 0
+
+
+def test_concurrent_calls_match_serial_results(engine):
+    calls = [three_segments(engine, seed=s) for s in range(4)]
+    serial = [engine.execute(ExecRequest(c, GREEDY)).token_ids for c in calls]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = engine.execute(ExecRequest(calls[i], GREEDY)).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(4)] == serial
