@@ -16,11 +16,7 @@ def make_engine(preset: str, **config) -> EmbeddedEngine:
     key = (preset,)
     if key not in _engines:
         _engines[key] = EmbeddedEngine(preset)
-    base = _engines[key]
-    from agentcache.models import LoadedModel
-
-    loaded = LoadedModel(base.model_name, base.model, base.tokenizer, base.requires_bos)
-    return EmbeddedEngine(loaded, EngineConfig(**config))
+    return _engines[key].with_config(EngineConfig(**config))
 
 
 @pytest.fixture(params=TINY_PRESETS)

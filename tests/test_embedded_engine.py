@@ -66,11 +66,9 @@ def test_gemma_segments_prefix_hit_and_injection(gemma_engine):
 
 
 def test_pool_capacity_from_bytes(tiny_engine):
-    from agentcache.engine import EmbeddedEngine, EngineConfig
-    from agentcache.models import LoadedModel
+    from agentcache.engine import EngineConfig
 
-    loaded = LoadedModel(tiny_engine.model_name, tiny_engine.model, tiny_engine.tokenizer, tiny_engine.requires_bos)
     per_block = tiny_engine.layout.bytes_per_token * 16
-    engine = EmbeddedEngine(loaded, EngineConfig(pool_bytes=10 * per_block))
+    engine = tiny_engine.with_config(EngineConfig(pool_bytes=10 * per_block))
     assert engine.pool.capacity == 10
     assert engine.pool.key_storage.numel() * 4 * 2 == 10 * per_block

@@ -220,3 +220,14 @@ def test_concurrent_calls_match_serial_results(engine):
     for t in threads:
         t.join()
     assert [results[i] for i in range(4)] == serial
+
+
+def test_prefix_caching_can_be_turned_off(engine):
+    from agentcache.engine import EngineConfig
+
+    off = engine.with_config(EngineConfig(prefix_caching=False))
+    segments = three_segments(engine)
+    first = off.execute(ExecRequest(segments, GREEDY))
+    second = off.execute(ExecRequest(segments, GREEDY))
+    assert first.cached_tokens == second.cached_tokens == 0
+    assert off.pool.num_used == 0 and close(first.last_logits, second.last_logits)

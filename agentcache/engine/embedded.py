@@ -49,6 +49,7 @@ class EngineConfig:
     pool_blocks: int | None = None  # overrides pool_bytes when set
     eviction: str | EvictionPolicy = "lru"
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
+    prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
     device: str = "cpu"
 
 
@@ -77,6 +78,7 @@ class EmbeddedEngine:
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.loaded = loaded
         self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
         self.tokenizer = loaded.tokenizer
@@ -99,6 +101,10 @@ class EmbeddedEngine:
         except RopeAlignmentError as exc:
             self._rope, self._rope_error = None, exc
         self._lock = threading.RLock()
+
+    def with_config(self, config: EngineConfig) -> "EmbeddedEngine":
+        """Another engine over the same weights, with its own configuration and empty pool."""
+        return EmbeddedEngine(self.loaded, config)
 
     # --- text ------------------------------------------------------------------------------
 
@@ -177,9 +183,10 @@ class EmbeddedEngine:
             if seg.step is not Step.PREFIX:
                 break
             lead += len(seg.token_ids)
-        self.pool.stats.lookups += 1
-        self.pool.stats.lookup_blocks += lead // bs
-        chain = self.pool.match(prompt[:lead], request.lineage)
+        if self.config.prefix_caching:
+            self.pool.stats.lookups += 1
+            self.pool.stats.lookup_blocks += lead // bs
+        chain = self.pool.match(prompt[:lead], request.lineage) if self.config.prefix_caching else []
         chain = chain[: (len(prompt) - 1) // bs]  # the last prompt token is always computed for its logits
         self.pool.acquire(chain)
         held: list[Block] = list(chain)
@@ -210,7 +217,8 @@ class EmbeddedEngine:
                 if request.capture_kv and fed
                 else None
             )
-            held += self._store_blocks(prompt + fed, cache, chain, first_approx, request)
+            if self.config.prefix_caching:
+                held += self._store_blocks(prompt + fed, cache, chain, first_approx, request)
             return ExecResult(
                 token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=ttft, total_s=time.perf_counter() - started,
