@@ -72,3 +72,24 @@ def test_pool_capacity_from_bytes(tiny_engine):
     engine = tiny_engine.with_config(EngineConfig(pool_bytes=10 * per_block))
     assert engine.pool.capacity == 10
     assert engine.pool.key_storage.numel() * 4 * 2 == 10 * per_block
+
+
+@pytest.mark.slow
+def test_gemma_past_its_sliding_window(gemma_engine):
+    """Gemma 3 270M attends through a 512-token window on 15 of 18 layers; our full-length call
+    cache with a sliding mask must match HF's own sliding cache beyond the window."""
+    engine = gemma_engine.with_config(type(gemma_engine.config)(pool_blocks=128, prefill_chunk=256))
+    shared = engine.tokenize(text_of_length(engine, 700, seed=9) + "\n")
+    assert len(shared) > 600
+    segments = [
+        SegmentPlan("sys", engine.tokenize("Summarize the notes below.\n", bos=True)),
+        SegmentPlan("notes", shared),
+        SegmentPlan("ask", engine.tokenize("Summary:")),
+    ]
+    prompt = [t for s in segments for t in s.token_ids]
+    cold = engine.execute(ExecRequest(segments, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert cold.token_ids == _hf_greedy(engine, prompt, 8)
+    warm = engine.execute(ExecRequest(segments, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert warm.cached_tokens > 512
+    assert torch.allclose(cold.last_logits, warm.last_logits, atol=1e-3, rtol=1e-4)
+    assert warm.token_ids == cold.token_ids
