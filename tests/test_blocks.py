@@ -126,7 +126,7 @@ def test_random_workload_respects_capacity_and_never_serves_evicted_kv(policy):
         pool.acquire(chain)
         if chain:
             keys, _ = pool.gather(chain)
-            for i, block in enumerate(chain):
+            for i in range(len(chain)):
                 expected, _ = kv_for(tuple(tokens[i * BS : (i + 1) * BS]), i)
                 assert torch.equal(keys[:, :, i * BS : (i + 1) * BS], expected), f"step {step}: stale KV served"
         parent = chain[-1] if chain else None

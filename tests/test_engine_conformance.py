@@ -231,3 +231,22 @@ def test_prefix_caching_can_be_turned_off(engine):
     second = off.execute(ExecRequest(segments, GREEDY))
     assert first.cached_tokens == second.cached_tokens == 0
     assert off.pool.num_used == 0 and close(first.last_logits, second.last_logits)
+
+
+def test_exact_kv_from_another_context_counts_as_approximate(engine):
+    """KV captured exact under agent A's prefix is approximate under agent B's, even at the same position."""
+    query = engine.tokenize(" Query: " + text_of_length(engine, 20, seed=8))
+    sys_a = engine.tokenize("System: you are agent A, the planner." + " plan" * 8, bos=True)
+    sys_b = [engine.bos_token_id] * (engine.bos_token_id is not None) + engine.tokenize("Zz" * 40)
+    sys_b = sys_b[: len(sys_a)] + engine.tokenize("q") * (len(sys_a) - len(sys_b[: len(sys_a)]))
+    assert len(sys_a) == len(sys_b) and sys_a != sys_b
+    from_a = engine.execute(ExecRequest([SegmentPlan("sys", sys_a), SegmentPlan("query", query)], GREEDY))
+    kv_a = from_a.segments[1].kv
+    assert kv_a.exact and kv_a.start == len(sys_b)
+    into_b = engine.execute(ExecRequest(
+        [SegmentPlan("sys", sys_b), SegmentPlan("query", query, Step.INJECT, kv_a), SegmentPlan("ask", engine.tokenize(" A:"))],
+        GREEDY,
+    ))
+    assert not into_b.segments[1].kv.exact and not into_b.segments[2].kv.exact
+    prompt_b = sys_b + query + engine.tokenize(" A:")
+    assert engine.cached_prefix_length(prompt_b) == len(sys_b) // engine.block_size * engine.block_size

@@ -18,10 +18,11 @@ import torch
 
 from agentcache.engine.blocks import Block, BlockPool
 from agentcache.engine.eviction import EvictionPolicy
-from agentcache.engine.kv import CallCache, KVLayout, SegmentKV
+from agentcache.engine.kv import CallCache, KVLayout, SegmentKV, prefix_digests
 from agentcache.engine.protocol import (
     ExecRequest,
     ExecResult,
+    SamplingParams,
     SegmentOutcome,
     SegmentPlan,
     Step,
@@ -125,12 +126,12 @@ class EmbeddedEngine:
         return self._rope is not None
 
     def realign(self, kv: SegmentKV, start: int) -> SegmentKV:
-        """The same KV moved to positions start..; exact only if it did not move."""
+        """The same KV moved to positions start..; no longer exact once moved."""
         if start == kv.start:
             return kv
         if self._rope is None:
             raise self._rope_error
-        return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start, exact=False)
+        return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start)
 
     def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int:
         """Tokens of `token_ids` an exact (or own-lineage) prefix hit would serve now."""
@@ -193,27 +194,31 @@ class EmbeddedEngine:
         try:
             cache = CallCache(self.layout, len(prompt) + sampling.max_tokens, torch.device(self.config.device))
             hit = len(chain) * bs
-            first_approx = next((i * bs for i, b in enumerate(chain) if not b.exact), None)
             if chain:
                 cache.append(*self.pool.gather(chain))
+            starts = [0]
+            for seg in request.segments:
+                starts.append(starts[-1] + len(seg.token_ids))
+            contexts = prefix_digests(prompt, starts)  # segment start -> digest of what precedes it
 
-            counts = self._materialize(request.segments, prompt, cache, hit)
-            logits, spans, first_inject_approx = counts
-            if first_inject_approx is not None and (first_approx is None or first_inject_approx < first_approx):
-                first_approx = first_inject_approx
+            logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, contexts)
+            approx_positions = [i * bs for i, b in enumerate(chain) if not b.exact] + [first_inject_approx]
+            first_approx = min((p for p in approx_positions if p is not None), default=None)
 
             generated, text, finish, ttft = self._decode(cache, logits, sampling, started)
             outcomes = [
                 SegmentOutcome(
                     name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
                     cached_tokens=c, computed_tokens=d, injected_tokens=j,
-                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx) if request.capture_kv else None,
+                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx, contexts[s])
+                    if request.capture_kv
+                    else None,
                 )
                 for seg, (s, c, d, j) in zip(request.segments, spans)
             ]
             fed = generated[:-1]  # the last generated token was never fed back, so it has no KV
             generated_kv = (
-                self._capture(cache, len(prompt), len(prompt) + len(fed), first_approx)
+                self._capture(cache, len(prompt), len(prompt) + len(fed), first_approx, contexts[len(prompt)])
                 if request.capture_kv and fed
                 else None
             )
@@ -228,7 +233,12 @@ class EmbeddedEngine:
             self.pool.release(held)
 
     def _materialize(
-        self, segments: Sequence[SegmentPlan], prompt: list[int], cache: CallCache, hit: int
+        self,
+        segments: Sequence[SegmentPlan],
+        prompt: list[int],
+        cache: CallCache,
+        hit: int,
+        contexts: dict[int, bytes],
     ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]], int | None]:
         """Fill the call cache past the prefix hit. Returns the last position's logits, per-segment
         (start, cached, computed, injected) counts, and the first approximate token position."""
@@ -248,9 +258,9 @@ class EmbeddedEngine:
                 # The final prompt token must run through the model for its logits.
                 inject = n - 1 if index == last else n
                 if inject:
-                    kv = self.realign(seg.kv, pos).slice(0, inject)
+                    kv = self.realign(seg.kv.slice(0, inject), pos)
                     cache.append(kv.keys, kv.values)
-                    if not (seg.kv.exact and seg.kv.start == pos) and first_approx is None:
+                    if kv.exact_context != contexts[pos] and first_approx is None:
                         first_approx = pos
                 if inject < n:
                     pending_from = pos + inject
@@ -281,7 +291,7 @@ class EmbeddedEngine:
         return logits
 
     def _decode(
-        self, cache: CallCache, logits: torch.Tensor, sampling, started: float
+        self, cache: CallCache, logits: torch.Tensor, sampling: SamplingParams, started: float
     ) -> tuple[list[int], str, str, float]:
         generator = None
         if sampling.temperature > 0 and sampling.seed is not None:
@@ -310,10 +320,12 @@ class EmbeddedEngine:
             text = self.detokenize(generated)
         return generated, text, finish, ttft
 
-    def _capture(self, cache: CallCache, begin: int, end: int, first_approx: int | None) -> SegmentKV:
+    def _capture(
+        self, cache: CallCache, begin: int, end: int, first_approx: int | None, context: bytes
+    ) -> SegmentKV:
         keys, values = cache.view(begin, end)
         exact = first_approx is None or end <= first_approx
-        return SegmentKV(keys.clone(), values.clone(), begin, exact=exact)
+        return SegmentKV(keys.clone(), values.clone(), begin, context if exact else None)
 
     def _store_blocks(
         self,

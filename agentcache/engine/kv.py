@@ -6,14 +6,29 @@ tokens, head dim). Keys are stored after RoPE, so a segment's KV is tied to its 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from agentcache.errors import KVShapeError
 
-__all__ = ["KVLayout", "SegmentKV", "CallCache"]
+__all__ = ["KVLayout", "SegmentKV", "CallCache", "prefix_digests"]
+
+
+def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int]) -> dict[int, bytes]:
+    """Digest of `token_ids[:cut]` for each cut point: the identity of a preceding context."""
+    digest = hashlib.blake2b(digest_size=16)
+    out: dict[int, bytes] = {}
+    done = 0
+    for cut in sorted(set(cut_points)):
+        digest.update(array("q", token_ids[done:cut]).tobytes())
+        done = cut
+        out[cut] = digest.copy().digest()
+    return out
 
 
 @dataclass(frozen=True)
@@ -38,14 +53,20 @@ def _itemsize(dtype: torch.dtype) -> int:
 class SegmentKV:
     """The KV of a contiguous run of tokens placed at `start`.
 
-    `exact` is True only when the KV equals what a dense prefill of the same tokens under the
-    same preceding context would produce; corrected or reused-from-elsewhere KV is not exact.
+    `exact_context` is the digest (`prefix_digests`) of the preceding tokens under which this KV
+    is exactly what a dense prefill produces, or None for approximate KV (corrected, or reused
+    from another context). KV is exact only for the context it names: injected under any other
+    preceding tokens it counts as approximate.
     """
 
     keys: torch.Tensor  # (L, H, T, D), after RoPE at positions start..start+T-1
     values: torch.Tensor  # (L, H, T, D)
     start: int
-    exact: bool = False
+    exact_context: bytes | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.exact_context is not None
 
     @property
     def length(self) -> int:
@@ -72,10 +93,12 @@ class SegmentKV:
             raise KVShapeError(f"{what}: start position {self.start} is negative")
 
     def slice(self, begin: int, end: int) -> "SegmentKV":
-        """Tokens [begin, end) of this segment (relative indices), keeping their positions."""
-        return SegmentKV(
-            self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin, self.exact
-        )
+        """Tokens [begin, end) of this segment (relative indices), keeping their positions.
+
+        A slice that does not start at the segment's start no longer knows its exact context.
+        """
+        context = self.exact_context if begin == 0 else None
+        return SegmentKV(self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin, context)
 
 
 class _BufferLayer(DynamicLayer):
