@@ -13,8 +13,9 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -44,6 +45,8 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: Any
     requires_bos: bool
+    # Identifies these weights: KV is only ever exact for the weights that computed it.
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def config(self) -> Any:

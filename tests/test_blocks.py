@@ -145,3 +145,25 @@ def test_random_workload_respects_capacity_and_never_serves_evicted_kv(policy):
         for block in pool.blocks():
             assert block.parent is None or pool.get(block.parent.block_hash) is block.parent
     assert pool.stats.evictions > 0
+
+
+def test_a_referenced_child_pins_its_parent():
+    pool = BlockPool(2, 2)
+    a = pool.store(None, (1, 2))
+    b = pool.store(a, (3, 4))
+    pool.release([a, b])
+    pool.acquire([b])  # a caller holding the child only
+    assert pool.num_evictable == 0
+    with pytest.raises(CapacityError, match="unreferenced"):
+        pool.store(None, (9, 9))
+
+
+def test_salt_is_verified_on_a_hash_hit(monkeypatch):
+    monkeypatch.setattr("agentcache.engine.blocks.block_hash", lambda parent, tokens, salt: b"same")
+    pool = BlockPool(4, BS, "lru", LAYOUT)
+    store_chain(pool, [1, 2, 3, 4], salt="planner")
+    assert pool.match([1, 2, 3, 4]) == []  # the exact lookup must not take the salted block
+    from agentcache.engine.blocks import BlockCollision
+
+    with pytest.raises(BlockCollision):
+        pool.store(None, (1, 2, 3, 4), *kv_for((1, 2, 3, 4), 0))

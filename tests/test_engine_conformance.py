@@ -250,3 +250,92 @@ def test_exact_kv_from_another_context_counts_as_approximate(engine):
     assert not into_b.segments[1].kv.exact and not into_b.segments[2].kv.exact
     prompt_b = sys_b + query + engine.tokenize(" A:")
     assert engine.cached_prefix_length(prompt_b) == len(sys_b) // engine.block_size * engine.block_size
+
+
+def test_exact_kv_of_other_tokens_is_never_cached_as_exact(engine):
+    """KV of segment X injected for a different segment Y of the same length is approximate for Y."""
+    sys_ids = engine.tokenize("System: planner. ", bos=True)
+    x = engine.tokenize(" alpha " * 6)
+    y = engine.tokenize(" omega " * 6)
+    assert len(x) == len(y) and x != y
+    kv_x = engine.execute(ExecRequest([SegmentPlan("sys", sys_ids), SegmentPlan("x", x)], GREEDY)).segments[1].kv
+    assert kv_x.exact
+    into_y = engine.execute(ExecRequest(
+        [SegmentPlan("sys", sys_ids), SegmentPlan("y", y, Step.INJECT, kv_x), SegmentPlan("ask", engine.tokenize(" ok"))],
+        GREEDY,
+    ))
+    assert not into_y.segments[1].kv.exact
+    assert engine.cached_prefix_length(sys_ids + y + engine.tokenize(" ok")) <= len(sys_ids)
+
+
+def test_kv_is_exact_only_for_the_weights_that_computed_it(engine):
+    from agentcache.models import LoadedModel
+
+    segments = three_segments(engine)
+    kv = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY)).segments[1].kv
+    loaded = engine.loaded
+    twin = type(engine)(LoadedModel(loaded.name, loaded.model, loaded.tokenizer, loaded.requires_bos))
+    plan = [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, kv), segments[2]]
+    assert engine.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
+    assert not twin.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
+
+
+def test_cached_prefix_length_matches_what_execute_serves(engine):
+    bs = engine.block_size
+    prompt = engine.tokenize(text_of_length(engine, 40), bos=True)[: 2 * bs]
+    assert len(prompt) == 2 * bs
+    engine.execute(ExecRequest([SegmentPlan("p", prompt)], GREEDY))
+    predicted = engine.cached_prefix_length(prompt)
+    assert predicted == bs  # the last token is always computed, so the last full block is not served
+    assert engine.execute(ExecRequest([SegmentPlan("p", prompt)], GREEDY)).cached_tokens == predicted
+
+
+def test_failure_while_caching_blocks_leaks_no_references(engine, monkeypatch):
+    segments = three_segments(engine, seed=12)
+    real_store = engine.pool.store
+    calls = {"n": 0}
+
+    def flaky_store(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("disk on fire")
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(engine.pool, "store", flaky_store)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        engine.execute(ExecRequest(segments, GREEDY))
+    assert engine.pool.num_used == 2 and all(b.ref_count == 0 for b in engine.pool.blocks())
+    monkeypatch.undo()
+    assert engine.execute(ExecRequest(segments, GREEDY)).cached_tokens == 2 * engine.block_size
+
+
+def test_stop_string_split_across_tokens_is_found(engine, monkeypatch):
+    import agentcache.engine.embedded as embedded
+
+    if engine.model_name not in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
+        pytest.skip("scripted byte tokens need the byte-level tokenizer")
+    script = iter(engine.tokenize("xé!zzzzzz"))  # 'é' is two byte tokens
+    monkeypatch.setattr(embedded, "choose_token", lambda *args: next(script))
+    result = engine.execute(ExecRequest(three_segments(engine), SamplingParams(max_tokens=8, stop=("é",))))
+    assert result.finish_reason == "stop" and result.text == "x"
+
+
+def test_request_and_config_validation():
+    from agentcache.engine import EngineConfig
+
+    assert SamplingParams(stop="###").stop == ("###",)
+    with pytest.raises(PlanError, match="max_tokens"):
+        SamplingParams(max_tokens=2.5)
+    with pytest.raises(PlanError, match="lineage must be a non-empty string"):
+        ExecRequest([SegmentPlan("a", [1])], lineage=123)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=0)
+
+
+def test_bool_token_ids_and_foreign_devices_are_refused(engine):
+    from agentcache.engine import EngineConfig
+
+    with pytest.raises(SegmentError, match="not ints"):
+        engine.execute(ExecRequest([SegmentPlan("a", three_segments(engine)[0].token_ids + [True])], GREEDY))
+    with pytest.raises(ValueError, match="shares this engine's weights"):
+        engine.with_config(EngineConfig(device="meta"))

@@ -93,3 +93,33 @@ def test_engine_without_exact_rope_refuses_realign_but_still_runs():
     with pytest.raises(RopeAlignmentError, match="dynamic"):
         engine.realign(kv, kv.start + 3)
     assert engine.realign(kv, kv.start) is kv  # not moving needs no rotation
+
+
+def test_unknown_rotary_layouts_are_refused():
+    from transformers import AutoModelForCausalLM, CohereConfig
+
+    config = CohereConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )
+    with pytest.raises(RopeAlignmentError, match="cohere"):
+        RopeAligner.from_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_engine_probe_catches_a_layout_that_does_not_realign(monkeypatch):
+    """Cohere rotates interleaved pairs: if it slipped past the model-type list, the probe refuses it."""
+    from transformers import AutoModelForCausalLM, CohereConfig
+
+    import agentcache.engine.rope as rope
+    from agentcache.engine import EmbeddedEngine
+    from agentcache.models import LoadedModel, byte_tokenizer
+
+    monkeypatch.setattr(rope, "REALIGNABLE_MODEL_TYPES", rope.REALIGNABLE_MODEL_TYPES | {"cohere"})
+    config = CohereConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = EmbeddedEngine(LoadedModel("cohere", model, byte_tokenizer(), True))
+    assert not engine.supports_realignment
+    assert "cannot be re-aligned exactly" in str(engine._rope_error)

@@ -23,7 +23,7 @@ from agentcache.engine.eviction import EvictionPolicy, make_policy
 from agentcache.engine.kv import KVLayout
 from agentcache.errors import CapacityError
 
-__all__ = ["Block", "BlockPool", "PoolStats", "block_hash"]
+__all__ = ["Block", "BlockCollision", "BlockPool", "PoolStats", "block_hash"]
 
 _ROOT = b"agentcache-root"
 
@@ -34,6 +34,10 @@ def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], salt: str | 
     digest.update(b"\x00" if salt is None else b"\x01" + salt.encode() + b"\x00")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+class BlockCollision(Exception):
+    """Two different blocks hash alike: the new one is not cached (the old one stays valid)."""
 
 
 @dataclass(eq=False)
@@ -119,9 +123,14 @@ class BlockPool:
 
     @property
     def num_evictable(self) -> int:
-        # Ancestors of a referenced block are referenced too (chains are acquired from the root),
-        # so every unreferenced block can be freed by evicting leaves first.
-        return sum(1 for b in self._blocks.values() if b.ref_count == 0)
+        """Blocks that leaf-first eviction can free: unreferenced, with no referenced descendant."""
+        pinned: set[int] = set()
+        for block in self._blocks.values():
+            node = block if block.ref_count > 0 else None
+            while node is not None and node.block_id not in pinned:
+                pinned.add(node.block_id)
+                node = node.parent
+        return len(self._blocks) - len(pinned)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return self.num_free + self.num_evictable >= num_blocks
@@ -146,7 +155,7 @@ class BlockPool:
             found = None
             for candidate_salt in (None, salt) if salt is not None else (None,):
                 block = self._index.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt))
-                if block is not None and block.token_ids == tokens and block.parent is parent:
+                if self._verified(block, tokens, parent, candidate_salt):
                     found = block
                     break
             if found is None:
@@ -154,6 +163,11 @@ class BlockPool:
             chain.append(found)
             parent = found
         return chain
+
+    @staticmethod
+    def _verified(block: Block | None, tokens: tuple[int, ...], parent: Block | None, salt: str | None) -> bool:
+        """A hash hit is trusted only if the stored tokens, parent and salt match too."""
+        return block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
 
     # --- reference counting ----------------------------------------------------------------
 
@@ -201,7 +215,8 @@ class BlockPool:
         """Cache one full block after `parent` and return it acquired (the caller releases it).
 
         keys/values: (L, H, B, D). An identical block already cached is returned instead.
-        Raises CapacityError when the pool is full and nothing can be evicted.
+        Raises CapacityError when the pool is full and nothing can be evicted, BlockCollision
+        when another block already holds this hash.
         """
         tokens = tuple(token_ids)
         if len(tokens) != self.block_size:
@@ -210,9 +225,11 @@ class BlockPool:
             raise ValueError(f"parent block {parent.block_id} is no longer cached")
         key = block_hash(parent.block_hash if parent else None, tokens, salt)
         existing = self._index.get(key)
-        if existing is not None and existing.token_ids == tokens and existing.parent is parent:
+        if self._verified(existing, tokens, parent, salt):
             self.acquire([existing], hit=False)
             return existing
+        if existing is not None:
+            raise BlockCollision(f"hash of block after {parent and parent.block_id} collides with block {existing.block_id}")
         block_id = self._allocate_id()
         if self.key_storage is not None:
             self.key_storage[block_id] = keys
@@ -245,8 +262,10 @@ class BlockPool:
             (priority(b), b.block_id, b) for b in self._blocks.values() if b.ref_count == 0 and b.num_children == 0
         ]
         heapq.heapify(heap)
-        evicted = []
+        evicted: list[Block] = []
         while len(evicted) < num_blocks:
+            if not heap:  # cannot happen while num_evictable is right; never pop an empty heap
+                raise CapacityError(f"eviction ran out of candidates after {len(evicted)} of {num_blocks} blocks")
             _, _, block = heapq.heappop(heap)
             self._remove(block)
             evicted.append(block)

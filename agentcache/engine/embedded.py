@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from agentcache.engine.blocks import Block, BlockPool
+from agentcache.engine.blocks import Block, BlockCollision, BlockPool
 from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.kv import CallCache, KVLayout, SegmentKV, prefix_digests
 from agentcache.engine.protocol import (
@@ -27,7 +27,7 @@ from agentcache.engine.protocol import (
     SegmentPlan,
     Step,
 )
-from agentcache.engine.rope import RopeAligner
+from agentcache.engine.rope import RopeAligner, rotate_keys
 from agentcache.engine.sampling import choose_token, find_stop
 from agentcache.errors import (
     CapacityError,
@@ -51,6 +51,14 @@ class EngineConfig:
     eviction: str | EvictionPolicy = "lru"
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
     prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "pool_bytes", "prefill_chunk"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
+            raise ValueError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
     device: str = "cpu"
 
 
@@ -80,6 +88,7 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = loaded
+        self._model_key = loaded.instance_id.encode()
         self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
         self.tokenizer = loaded.tokenizer
@@ -99,13 +108,42 @@ class EmbeddedEngine:
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(self.model)
             self._rope_error: RopeAlignmentError | None = None
+            self._probe_realignment()
         except RopeAlignmentError as exc:
             self._rope, self._rope_error = None, exc
         self._lock = threading.RLock()
 
     def with_config(self, config: EngineConfig) -> "EmbeddedEngine":
         """Another engine over the same weights, with its own configuration and empty pool."""
+        if config.device != self.config.device:
+            raise ValueError(
+                f"with_config shares this engine's weights on '{self.config.device}'; "
+                f"build a new EmbeddedEngine for device '{config.device}'"
+            )
         return EmbeddedEngine(self.loaded, config)
+
+    def _probe_realignment(self, tolerance: float = 1e-3) -> None:
+        """Layer-0 keys depend only on token and position: computed at q they must equal the
+        keys computed at p and re-aligned to q. Raise RopeAlignmentError if they do not."""
+        from transformers import DynamicCache
+
+        tokens = [i % self.vocab_size for i in range(3, 11)]
+        layer0 = []
+        with torch.inference_mode():
+            for start in (0, 37):
+                cache = DynamicCache()
+                ids = torch.tensor([tokens], device=self.model.device)  # (1, 8)
+                positions = torch.arange(start, start + len(tokens), device=self.model.device)[None]
+                self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                layer0.append(cache.layers[0].keys[0])  # (H, 8, D)
+        at_p, at_q = layer0
+        moved = rotate_keys(at_p[None], 37, self._rope.inv_freq[:1].to(at_p.device))[0]  # layer 0 only
+        error = float((moved - at_q).norm() / at_q.norm())
+        if not error < tolerance:
+            raise RopeAlignmentError(
+                f"model type '{self.model.config.model_type}': re-aligned layer-0 keys differ from keys "
+                f"computed in place by {error:.1e} (relative); its rotary layout cannot be re-aligned exactly"
+            )
 
     # --- text ------------------------------------------------------------------------------
 
@@ -134,9 +172,13 @@ class EmbeddedEngine:
         return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start)
 
     def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int:
-        """Tokens of `token_ids` an exact (or own-lineage) prefix hit would serve now."""
+        """Tokens of `token_ids` a call would be served from the prefix cache now, if its leading
+        segments (covering `token_ids`) have step PREFIX; the last token is always computed."""
+        if not self.config.prefix_caching or not token_ids:
+            return 0
         with self._lock:
-            return len(self.pool.match(token_ids, lineage)) * self.block_size
+            blocks = len(self.pool.match(token_ids, lineage))
+        return min(blocks, (len(token_ids) - 1) // self.block_size) * self.block_size
 
     # --- execution ------------------------------------------------------------------------------
 
@@ -160,7 +202,7 @@ class EmbeddedEngine:
             )
         start = 0
         for seg in request.segments:
-            bad = [t for t in seg.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            bad = [t for t in seg.token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
             if bad:
                 raise SegmentError(
                     f"segment '{seg.name}': token ids {bad[:5]} are not ints in [0, {self.vocab_size})"
@@ -196,12 +238,13 @@ class EmbeddedEngine:
             hit = len(chain) * bs
             if chain:
                 cache.append(*self.pool.gather(chain))
-            starts = [0]
+            ends = [0]
             for seg in request.segments:
-                starts.append(starts[-1] + len(seg.token_ids))
-            contexts = prefix_digests(prompt, starts)  # segment start -> digest of what precedes it
+                ends.append(ends[-1] + len(seg.token_ids))
+            # position -> digest of every token before it; what a segment ending there is exact for
+            digests = prefix_digests(prompt, ends, self._model_key)
 
-            logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, contexts)
+            logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, digests)
             approx_positions = [i * bs for i, b in enumerate(chain) if not b.exact] + [first_inject_approx]
             first_approx = min((p for p in approx_positions if p is not None), default=None)
 
@@ -210,20 +253,20 @@ class EmbeddedEngine:
                 SegmentOutcome(
                     name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
                     cached_tokens=c, computed_tokens=d, injected_tokens=j,
-                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx, contexts[s])
+                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx, digests)
                     if request.capture_kv
                     else None,
                 )
                 for seg, (s, c, d, j) in zip(request.segments, spans)
             ]
             fed = generated[:-1]  # the last generated token was never fed back, so it has no KV
-            generated_kv = (
-                self._capture(cache, len(prompt), len(prompt) + len(fed), first_approx, contexts[len(prompt)])
-                if request.capture_kv and fed
-                else None
-            )
+            generated_kv = None
+            if request.capture_kv and fed:
+                end = len(prompt) + len(fed)
+                digests.update(prefix_digests(prompt + fed, [end], self._model_key))
+                generated_kv = self._capture(cache, len(prompt), end, first_approx, digests)
             if self.config.prefix_caching:
-                held += self._store_blocks(prompt + fed, cache, chain, first_approx, request)
+                self._store_blocks(prompt + fed, cache, chain, first_approx, request, held)
             return ExecResult(
                 token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=ttft, total_s=time.perf_counter() - started,
@@ -238,7 +281,7 @@ class EmbeddedEngine:
         prompt: list[int],
         cache: CallCache,
         hit: int,
-        contexts: dict[int, bytes],
+        digests: dict[int, bytes],
     ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]], int | None]:
         """Fill the call cache past the prefix hit. Returns the last position's logits, per-segment
         (start, cached, computed, injected) counts, and the first approximate token position."""
@@ -258,9 +301,10 @@ class EmbeddedEngine:
                 # The final prompt token must run through the model for its logits.
                 inject = n - 1 if index == last else n
                 if inject:
+                    exact_here = seg.kv.start == pos and seg.kv.exact_for == digests[pos + n]
                     kv = self.realign(seg.kv.slice(0, inject), pos)
                     cache.append(kv.keys, kv.values)
-                    if kv.exact_context != contexts[pos] and first_approx is None:
+                    if not exact_here and first_approx is None:
                         first_approx = pos
                 if inject < n:
                     pending_from = pos + inject
@@ -305,9 +349,9 @@ class EmbeddedEngine:
                 finish = "eos"
                 break
             if sampling.stop:
-                previous = len(text)
+                # Decode everything again: a character split across tokens only appears once whole.
                 text = self.detokenize(generated)
-                cut = find_stop(text, sampling.stop, previous)
+                cut = find_stop(text, sampling.stop)
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     break
@@ -321,11 +365,11 @@ class EmbeddedEngine:
         return generated, text, finish, ttft
 
     def _capture(
-        self, cache: CallCache, begin: int, end: int, first_approx: int | None, context: bytes
+        self, cache: CallCache, begin: int, end: int, first_approx: int | None, digests: dict[int, bytes]
     ) -> SegmentKV:
         keys, values = cache.view(begin, end)
         exact = first_approx is None or end <= first_approx
-        return SegmentKV(keys.clone(), values.clone(), begin, context if exact else None)
+        return SegmentKV(keys.clone(), values.clone(), begin, digests[end] if exact else None)
 
     def _store_blocks(
         self,
@@ -334,10 +378,10 @@ class EmbeddedEngine:
         chain: list[Block],
         first_approx: int | None,
         request: ExecRequest,
-    ) -> list[Block]:
-        """Cache every full block past the hit; returns the blocks stored (acquired)."""
+        held: list[Block],
+    ) -> None:
+        """Cache every full block past the hit; each stored block is acquired and added to `held`."""
         bs = self.block_size
-        stored: list[Block] = []
         parent = chain[-1] if chain else None
         for index in range(len(chain), min(len(token_ids), cache.length) // bs):
             begin, end = index * bs, (index + 1) * bs
@@ -350,9 +394,8 @@ class EmbeddedEngine:
                     parent, token_ids[begin:end], keys, values,
                     salt=request.lineage if approximate else None, owner=request.owner,
                 )
-            except CapacityError:
+            except (CapacityError, BlockCollision):
                 self.pool.stats.store_skipped += min(len(token_ids), cache.length) // bs - index
                 break
-            stored.append(block)
+            held.append(block)
             parent = block
-        return stored

@@ -19,9 +19,9 @@ from agentcache.errors import KVShapeError
 __all__ = ["KVLayout", "SegmentKV", "CallCache", "prefix_digests"]
 
 
-def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int]) -> dict[int, bytes]:
-    """Digest of `token_ids[:cut]` for each cut point: the identity of a preceding context."""
-    digest = hashlib.blake2b(digest_size=16)
+def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int], model_key: bytes) -> dict[int, bytes]:
+    """Digest of `token_ids[:cut]` for each cut point, under one model's weights (`model_key`)."""
+    digest = hashlib.blake2b(model_key, digest_size=16)
     out: dict[int, bytes] = {}
     done = 0
     for cut in sorted(set(cut_points)):
@@ -53,20 +53,20 @@ def _itemsize(dtype: torch.dtype) -> int:
 class SegmentKV:
     """The KV of a contiguous run of tokens placed at `start`.
 
-    `exact_context` is the digest (`prefix_digests`) of the preceding tokens under which this KV
-    is exactly what a dense prefill produces, or None for approximate KV (corrected, or reused
-    from another context). KV is exact only for the context it names: injected under any other
-    preceding tokens it counts as approximate.
+    `exact_for` names what this KV is exact for: the digest (`prefix_digests`) of every token
+    from position 0 through the segment's last token, under the model's weights. It is None for
+    approximate KV (corrected, or reused from another context). Injected anywhere else, for
+    other tokens, or into another model, the KV counts as approximate.
     """
 
     keys: torch.Tensor  # (L, H, T, D), after RoPE at positions start..start+T-1
     values: torch.Tensor  # (L, H, T, D)
     start: int
-    exact_context: bytes | None = None
+    exact_for: bytes | None = None
 
     @property
     def exact(self) -> bool:
-        return self.exact_context is not None
+        return self.exact_for is not None
 
     @property
     def length(self) -> int:
@@ -95,10 +95,13 @@ class SegmentKV:
     def slice(self, begin: int, end: int) -> "SegmentKV":
         """Tokens [begin, end) of this segment (relative indices), keeping their positions.
 
-        A slice that does not start at the segment's start no longer knows its exact context.
+        A slice no longer knows what it is exact for, unless it is the whole segment.
         """
-        context = self.exact_context if begin == 0 else None
-        return SegmentKV(self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin, context)
+        whole = begin == 0 and end >= self.length
+        return SegmentKV(
+            self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin,
+            self.exact_for if whole else None,
+        )
 
 
 class _BufferLayer(DynamicLayer):

@@ -72,20 +72,21 @@ class SamplingParams:
     max_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] | str = ()  # a single string is one stop string
     seed: int | None = None
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise PlanError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise PlanError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise PlanError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if any(not s for s in self.stop):
-            raise PlanError("stop strings must be non-empty")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise PlanError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ class ExecRequest:
     def __post_init__(self) -> None:
         if not self.segments:
             raise PlanError("a call needs at least one segment")
+        for name in ("lineage", "owner"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise PlanError(f"{name} must be a non-empty string or None, got {value!r}")
 
     @property
     def token_ids(self) -> list[int]:

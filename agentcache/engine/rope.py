@@ -15,9 +15,12 @@ import torch
 
 from agentcache.errors import RopeAlignmentError
 
-__all__ = ["RopeAligner", "rotate_keys", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["RopeAligner", "rotate_keys", "SUPPORTED_ROPE_TYPES", "REALIGNABLE_MODEL_TYPES"]
 
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+# HF decoders whose every layer applies rotate-half RoPE to the full head (others, such as
+# Cohere's interleaved layout or models with RoPE-free layers, would be rotated wrongly).
+REALIGNABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"})
 
 
 def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,11 @@ class RopeAligner:
         """Read the model's own rotary settings, per layer; raise RopeAlignmentError if not exact."""
         config = model.config
         family = getattr(config, "model_type", "?")
+        if family not in REALIGNABLE_MODEL_TYPES:
+            raise RopeAlignmentError(
+                f"model type '{family}' is not known to use rotate-half RoPE on every layer; exact "
+                f"re-alignment supports {sorted(REALIGNABLE_MODEL_TYPES)}"
+            )
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
         if rotary is None:
             raise RopeAlignmentError(

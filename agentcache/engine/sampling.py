@@ -26,11 +26,7 @@ def choose_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def find_stop(text: str, stops: Sequence[str], search_from: int = 0) -> int | None:
-    """Index in `text` where the earliest stop string begins, looking from `search_from`; else None."""
-    best = None
-    for stop in stops:
-        idx = text.find(stop, max(0, search_from - len(stop) + 1))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index in `text` where the earliest stop string begins, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i != -1]
+    return min(found, default=None)
