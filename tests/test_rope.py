@@ -107,7 +107,8 @@ def test_unknown_rotary_layouts_are_refused():
 
 
 def test_engine_probe_catches_a_layout_that_does_not_realign(monkeypatch):
-    """Cohere rotates interleaved pairs: if it slipped past the model-type list, the probe refuses it."""
+    """Cohere rotates interleaved pairs: if it slipped past the model-type list, the probe refuses it,
+    and an engine over it still runs, without re-alignment."""
     from transformers import AutoModelForCausalLM, CohereConfig
 
     import agentcache.engine.rope as rope
@@ -122,4 +123,8 @@ def test_engine_probe_catches_a_layout_that_does_not_realign(monkeypatch):
     model = AutoModelForCausalLM.from_config(config).eval()
     engine = EmbeddedEngine(LoadedModel("cohere", model, byte_tokenizer(), True))
     assert not engine.supports_realignment
-    assert "cannot be re-aligned exactly" in str(engine._rope_error)
+    with pytest.raises(RopeAlignmentError, match="cannot be re-aligned exactly"):
+        RopeAligner.from_model(model)
+    kv = _segment_kv_at(engine, 2, engine.tokenize("abc"))
+    with pytest.raises(RopeAlignmentError, match="cannot be re-aligned exactly"):
+        engine.realign(kv, kv.start + 1)

@@ -27,7 +27,7 @@ from agentcache.engine.protocol import (
     SegmentPlan,
     Step,
 )
-from agentcache.engine.rope import RopeAligner, rotate_keys
+from agentcache.engine.rope import RopeAligner
 from agentcache.engine.sampling import choose_token, find_stop
 from agentcache.errors import (
     CapacityError,
@@ -108,7 +108,6 @@ class EmbeddedEngine:
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(self.model)
             self._rope_error: RopeAlignmentError | None = None
-            self._probe_realignment()
         except RopeAlignmentError as exc:
             self._rope, self._rope_error = None, exc
         self._lock = threading.RLock()
@@ -121,29 +120,6 @@ class EmbeddedEngine:
                 f"build a new EmbeddedEngine for device '{config.device}'"
             )
         return EmbeddedEngine(self.loaded, config)
-
-    def _probe_realignment(self, tolerance: float = 1e-3) -> None:
-        """Layer-0 keys depend only on token and position: computed at q they must equal the
-        keys computed at p and re-aligned to q. Raise RopeAlignmentError if they do not."""
-        from transformers import DynamicCache
-
-        tokens = [i % self.vocab_size for i in range(3, 11)]
-        layer0 = []
-        with torch.inference_mode():
-            for start in (0, 37):
-                cache = DynamicCache()
-                ids = torch.tensor([tokens], device=self.model.device)  # (1, 8)
-                positions = torch.arange(start, start + len(tokens), device=self.model.device)[None]
-                self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                layer0.append(cache.layers[0].keys[0])  # (H, 8, D)
-        at_p, at_q = layer0
-        moved = rotate_keys(at_p[None], 37, self._rope.inv_freq[:1].to(at_p.device))[0]  # layer 0 only
-        error = float((moved - at_q).norm() / at_q.norm())
-        if not error < tolerance:
-            raise RopeAlignmentError(
-                f"model type '{self.model.config.model_type}': re-aligned layer-0 keys differ from keys "
-                f"computed in place by {error:.1e} (relative); its rotary layout cannot be re-aligned exactly"
-            )
 
     # --- text ------------------------------------------------------------------------------
 

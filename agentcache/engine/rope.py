@@ -86,7 +86,31 @@ class RopeAligner:
                     "(partial rotary); exact re-alignment supports full-dimension rotary only"
                 )
             rows.append(inv_freq.detach().to(torch.float64).cpu())
-        return cls(torch.stack(rows))
+        aligner = cls(torch.stack(rows))
+        aligner._probe(model)
+        return aligner
+
+    def _probe(self, model: torch.nn.Module, shift: int = 37, tolerance: float = 1e-3) -> None:
+        """Layer-0 keys depend only on token and position: computed at q they must equal the keys
+        computed at p and re-aligned to q. Catches rotary layouts the model list lets through."""
+        from transformers import DynamicCache
+
+        tokens = torch.arange(3, 11, device=model.device)[None] % model.config.vocab_size  # (1, 8)
+        layer0 = []
+        with torch.inference_mode():
+            for start in (0, shift):
+                cache = DynamicCache()
+                positions = torch.arange(start, start + tokens.shape[1], device=model.device)[None]
+                model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                layer0.append(cache.layers[0].keys[0])  # (H, 8, D)
+        at_p, at_q = layer0
+        moved = rotate_keys(at_p[None], shift, self.inv_freq[:1].to(at_p.device))[0]  # layer 0 only
+        error = float((moved - at_q).norm() / at_q.norm())
+        if not error < tolerance:
+            raise RopeAlignmentError(
+                f"model type '{model.config.model_type}': re-aligned layer-0 keys differ from keys computed "
+                f"in place by {error:.1e} (relative); its rotary layout cannot be re-aligned exactly"
+            )
 
     def realign(self, keys: torch.Tensor, from_start: int, to_start: int) -> torch.Tensor:
         """Keys (L, H, T, D) cached at positions from_start.. moved to to_start..; a new tensor."""
