@@ -359,7 +359,8 @@ class EmbeddedEngine:
         """Cache every full block past the hit; each stored block is acquired and added to `held`."""
         bs = self.block_size
         parent = chain[-1] if chain else None
-        for index in range(len(chain), min(len(token_ids), cache.length) // bs):
+        full_blocks = len(token_ids) // bs  # token_ids are exactly the tokens the call cache holds
+        for index in range(len(chain), full_blocks):
             begin, end = index * bs, (index + 1) * bs
             approximate = first_approx is not None and end > first_approx
             if approximate and request.lineage is None:
@@ -371,7 +372,7 @@ class EmbeddedEngine:
                     salt=request.lineage if approximate else None, owner=request.owner,
                 )
             except (CapacityError, BlockCollision):
-                self.pool.stats.store_skipped += min(len(token_ids), cache.length) // bs - index
+                self.pool.stats.store_skipped += full_blocks - index
                 break
             held.append(block)
             parent = block
