@@ -1,0 +1,168 @@
+"""Anchor pools: per slot, up to V anchors of low-rank base caches and observed corrections.
+
+An anchor is one materialized source cache of a shared segment (its base, canonical positions)
+plus the corrections Δ = C_target − Align(C_source) observed for its consumers. A bank holds one
+pool per slot and a byte budget over all of them; a full pool evicts the least frequently used
+of its five oldest anchors (KVComm, KVCMAS App. A.3).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from agentcache.correction.lowrank import Factors
+
+__all__ = ["Anchor", "Correction", "AnchorPool", "AnchorBank", "OLDEST_WINDOW"]
+
+log = logging.getLogger(__name__)
+
+OLDEST_WINDOW = 5  # eviction looks at this many oldest anchors and drops the least used
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Observed correction for one consumer, layers 1.. (layer 0 is exact after alignment)."""
+
+    keys: Factors  # (L-1, T, F) canonical positions
+    values: Factors
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class Anchor:
+    source_id: str  # which materialization the base is (one per source cache instance)
+    source: str  # the agent (or reference) whose cache the base is
+    keys: Factors  # base keys (L, T, F), canonical positions
+    values: Factors  # base values (L, T, F)
+    corrections: dict[str, Correction] = field(default_factory=dict)  # consumer agent -> Δ
+    serial: int = 0  # insertion order
+    uses: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.keys.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.corrections.values())
+
+    def is_valid(self, num_layers: int, features: int) -> bool:
+        """Shapes agree with the model and with each other, and every number is finite."""
+        parts = [self.keys, self.values] + [f for c in self.corrections.values() for f in (c.keys, c.values)]
+        for part in parts:
+            if part.features != features or part.length != self.length:
+                return False
+        if self.keys.num_layers != num_layers or self.values.num_layers != num_layers:
+            return False
+        if any(c.keys.num_layers != num_layers - 1 or c.values.num_layers != num_layers - 1 for c in self.corrections.values()):
+            return False
+        return all(part.is_finite() for part in parts)
+
+
+class AnchorPool:
+    """The anchors of one slot (`query`, `out:<agent>`, ...), at most `capacity` of them."""
+
+    def __init__(self, slot: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"anchor pool capacity must be at least 1, got {capacity}")
+        self.slot = slot
+        self.capacity = capacity
+        self.anchors: dict[str, Anchor] = {}  # source_id -> anchor, insertion ordered
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.anchors.values())
+
+    def candidates(self, source: str, consumer: str) -> list[Anchor]:
+        """Anchors whose base came from `source` and that hold a correction for `consumer`."""
+        return [a for a in self.anchors.values() if a.source == source and consumer in a.corrections]
+
+    def victim(self) -> Anchor | None:
+        oldest = sorted(self.anchors.values(), key=lambda a: a.serial)[:OLDEST_WINDOW]
+        return min(oldest, key=lambda a: (a.uses, a.serial), default=None)
+
+    def remove(self, source_id: str) -> Anchor | None:
+        return self.anchors.pop(source_id, None)
+
+
+class AnchorBank:
+    """One pool per slot, all within `byte_budget` bytes; counts what it inserted and evicted."""
+
+    def __init__(self, capacity: int, byte_budget: int) -> None:
+        if byte_budget < 1:
+            raise ValueError(f"anchor byte budget must be positive, got {byte_budget}")
+        self.capacity = capacity
+        self.byte_budget = byte_budget
+        self.pools: dict[str, AnchorPool] = {}
+        self._serial = itertools.count()
+        self.inserted = 0
+        self.evicted = 0
+        self.rejected_too_large = 0
+        self.dropped_invalid = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values())
+
+    @property
+    def num_anchors(self) -> int:
+        return sum(len(p) for p in self.pools.values())
+
+    def pool(self, slot: str) -> AnchorPool:
+        if slot not in self.pools:
+            self.pools[slot] = AnchorPool(slot, self.capacity)
+        return self.pools[slot]
+
+    def add(self, slot: str, source_id: str, source: str, keys: Factors, values: Factors,
+            consumer: str, correction: Correction) -> bool:
+        """Record `correction` for `consumer` on the anchor of this source cache, creating the anchor
+        when the pool has none for it. Evicts to stay within capacity and budget; False if it cannot fit."""
+        pool = self.pool(slot)
+        anchor = pool.anchors.get(source_id)
+        added = correction.nbytes if anchor is not None else keys.nbytes + values.nbytes + correction.nbytes
+        if added > self.byte_budget:
+            self.rejected_too_large += 1
+            log.info("anchor for slot %r (%d bytes) exceeds the whole anchor budget (%d); not kept",
+                     slot, added, self.byte_budget)
+            return False
+        if anchor is None:
+            while len(pool) >= pool.capacity:
+                self._evict(pool, pool.victim())
+            anchor = Anchor(source_id, source, keys, values, serial=next(self._serial))
+            pool.anchors[source_id] = anchor
+            self.inserted += 1
+        anchor.corrections[consumer] = correction
+        self._fit_budget(keep=anchor)
+        return source_id in pool.anchors
+
+    def drop(self, slot: str, anchor: Anchor) -> None:
+        """Remove an anchor found corrupted."""
+        if self.pools.get(slot) and self.pools[slot].remove(anchor.source_id) is not None:
+            self.dropped_invalid += 1
+
+    def _evict(self, pool: AnchorPool, anchor: Anchor | None) -> None:
+        if anchor is not None and pool.remove(anchor.source_id) is not None:
+            self.evicted += 1
+
+    def _fit_budget(self, keep: Anchor) -> None:
+        """Evict (LFU among the oldest, from the pool holding the most bytes) until within budget."""
+        while self.nbytes > self.byte_budget:
+            pools = sorted(self.pools.values(), key=lambda p: p.nbytes, reverse=True)
+            for pool in pools:
+                candidates = [a for a in pool.anchors.values() if a is not keep]
+                if candidates:
+                    oldest = sorted(candidates, key=lambda a: a.serial)[:OLDEST_WINDOW]
+                    self._evict(pool, min(oldest, key=lambda a: (a.uses, a.serial)))
+                    break
+            else:  # only `keep` is left and it is over budget on its own
+                for pool in pools:
+                    self._evict(pool, pool.anchors.get(keep.source_id))
+                return

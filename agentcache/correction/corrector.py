@@ -1,0 +1,201 @@
+"""The chained corrector: decides how each shared (PH) segment of a call is materialized.
+
+Before a call, `plan` looks up the segment's source cache, re-aligns it to canonical positions,
+and either hands back KV to inject (corrected, or raw for FullShared) or asks for dense prefill.
+After the call, `commit` records what the segment became (the source of the next edge) and,
+after a dense fallback, inserts the observed correction Δ = C_dense − Align(C_source) as an
+anchor. Any fault (corrupt anchor, NaN, missing source) falls back to dense and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from agentcache.correction.anchors import AnchorBank, Correction
+from agentcache.correction.lowrank import as_rows, factorize, from_rows
+from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
+from agentcache.correction.store import Materialization, SegmentStore, common_prefix
+from agentcache.correction.strategies import Strategy
+from agentcache.engine.kv import SegmentKV
+from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.errors import AgentCacheError
+
+__all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
+NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
+
+
+@dataclass
+class PHDecision:
+    """How one PH segment is materialized in a call."""
+
+    decision: str  # "first" (no source: dense), "corrected", "reused" (raw), "fallback" (dense), "off"
+    reason: str | None = None  # why it fell back
+    source: Materialization | None = None
+    covered: int = 0  # leading tokens served by `inject`
+    inject: SegmentKV | None = None  # canonical positions (start 0); the engine re-aligns it
+    entropy: float | None = None
+    anchors: int = 0  # compatible anchors the gate compared
+    plan_s: float = 0.0  # time spent here (counted in TTFT)
+
+    @property
+    def reused(self) -> bool:
+        return self.inject is not None
+
+
+class Corrector:
+    def __init__(self, engine: Engine, strategy: Strategy, anchor_bytes: int, store_bytes: int) -> None:
+        self.engine = engine
+        self.strategy = strategy
+        self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
+        self.store = SegmentStore(store_bytes)
+        self.decisions: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.anchor_build_s = 0.0
+
+    # --- before the call -------------------------------------------------------------------
+
+    def plan(self, agent: str, slot: str, token_ids: Sequence[int]) -> PHDecision:
+        started = time.perf_counter()
+        try:
+            decision = self._plan(agent, slot, token_ids)
+        except AgentCacheError as exc:  # a fault must never serve a wrong cache: prefill instead
+            log.warning("slot %r for agent %r: %s; prefilling densely", slot, agent, exc)
+            decision = PHDecision("fallback", reason="error")
+        decision.plan_s = time.perf_counter() - started
+        self.decisions[decision.decision] += 1
+        if decision.reason:
+            self.fallbacks[decision.reason] += 1
+        return decision
+
+    def _plan(self, agent: str, slot: str, token_ids: Sequence[int]) -> PHDecision:
+        if not self.strategy.reuse:
+            return PHDecision("off")
+        found = self._source(slot, token_ids)
+        if found is None:
+            if self.strategy.chained:
+                return PHDecision("first")
+            return PHDecision("fallback", reason="no_source")
+        source, shared = found
+        if not self.engine.supports_realignment:
+            return PHDecision("fallback", reason="not_realignable", source=source)
+        aligned = self.engine.realign(source.kv.slice(0, shared), 0)
+        if not self.strategy.correct:
+            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+        return self._correct(agent, slot, source, aligned)
+
+    def _source(self, slot: str, token_ids: Sequence[int]) -> tuple[Materialization, int] | None:
+        if self.strategy.chained:
+            return self.store.find(slot, token_ids)
+        if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
+            return self.store.find(slot, token_ids, agent=slot[4:])
+        found = self.store.find(slot, token_ids, agent=REFERENCE)
+        if found is None or found[1] < len(token_ids):
+            entry = self._reference_prefill(slot, token_ids)
+            found = (entry, len(token_ids)) if entry is not None else found
+        return found
+
+    def _reference_prefill(self, slot: str, token_ids: Sequence[int]) -> Materialization | None:
+        """Prefill the segment after BOS and a neutral lead-in, outside the workflow (non-chained)."""
+        lead = self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
+        request = ExecRequest(
+            [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
+            SamplingParams(max_tokens=1), owner=REFERENCE,
+        )
+        result = self.engine.execute(request)
+        return self.store.put(slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
+
+    def _correct(self, agent: str, slot: str, source: Materialization, aligned: SegmentKV) -> PHDecision:
+        layout = self.engine.layout
+        features = layout.num_kv_heads * layout.head_dim
+        pool = self.bank.pool(slot)
+        candidates = pool.candidates(source.agent, agent)
+        for anchor in candidates:
+            if not anchor.is_valid(layout.num_layers, features):
+                self.bank.drop(slot, anchor)
+                return PHDecision("fallback", reason="bad_anchor", source=source)
+        single = len(candidates) == 1 and self.strategy.max_anchors == 1  # V=1 bypasses the gate
+        if len(candidates) < 2 and not single:
+            return PHDecision("fallback", reason="few_anchors", source=source, anchors=len(candidates))
+        length = aligned.length
+        keys = as_rows(aligned.keys).float()  # (L, S, F)
+        values = as_rows(aligned.values).float()
+        entropy = None
+        if not single:
+            second_longest = sorted((a.length for a in candidates), reverse=True)[1]
+            k = min(length, second_longest)
+            compatible = [a for a in candidates if a.length >= k]
+            weights = gate_weights(gate_distances(values, [a.values for a in compatible], k), self.strategy.temperature)
+            entropy = normalized_entropy(weights)
+            if entropy > self.strategy.tau:
+                return PHDecision("fallback", reason="gate", source=source, entropy=entropy, anchors=len(compatible))
+        corrected = []
+        for rows, part in ((keys, "keys"), (values, "values")):
+            delta, _ = interpolated_correction(
+                rows[1:],
+                [getattr(a, part) for a in candidates],
+                [getattr(a.corrections[agent], part) for a in candidates],
+                self.strategy.temperature,
+                base_layer_offset=1,
+            )
+            out = rows.clone()
+            out[1:] += delta  # layer 0 depends on position only: exact after alignment
+            corrected.append(from_rows(out.to(layout.dtype), layout.num_kv_heads))
+        if not all(bool(torch.isfinite(t).all()) for t in corrected):
+            return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
+        for anchor in candidates:
+            anchor.uses += 1
+        return PHDecision(
+            "corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
+            entropy=entropy, anchors=len(candidates),
+        )
+
+    # --- after the call --------------------------------------------------------------------
+
+    def commit(self, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
+               kv: SegmentKV | None, how: str) -> None:
+        """Record the segment's materialization `kv` (made in this call as `how`)."""
+        if kv is None or not self.strategy.reuse:
+            return
+        if self.strategy.chained:
+            self.store.put(slot, agent, token_ids, kv, how)
+        if decision.decision == "fallback" and decision.source is not None and self.strategy.correct:
+            self._insert_anchor(agent, slot, decision.source, token_ids, kv)
+
+    def record_output(self, agent: str, token_ids: Sequence[int], kv: SegmentKV | None) -> None:
+        """An agent's decoded output becomes the source of its `out:<agent>` slot."""
+        if kv is not None and token_ids and self.strategy.reuse:
+            self.store.put(f"out:{agent}", agent, token_ids, kv, "decoded")
+
+    def _insert_anchor(self, agent: str, slot: str, source: Materialization,
+                       token_ids: Sequence[int], dense: SegmentKV) -> None:
+        started = time.perf_counter()
+        shared = common_prefix(source.token_ids, token_ids)
+        existing = self.bank.pool(slot).anchors.get(source.id)
+        if shared == 0 or (existing is not None and existing.length != shared):
+            return  # an anchor's corrections all cover its base's tokens
+        aligned = self.engine.realign(source.kv.slice(0, shared), 0)
+        target = self.engine.realign(dense.slice(0, shared), 0)
+        src_k, src_v = as_rows(aligned.keys).float(), as_rows(aligned.values).float()  # (L, S, F)
+        tgt_k, tgt_v = as_rows(target.keys).float(), as_rows(target.values).float()
+        delta_k, delta_v = tgt_k[1:] - src_k[1:], tgt_v[1:] - src_v[1:]  # (L-1, S, F)
+        if not (torch.isfinite(delta_k).all() and torch.isfinite(delta_v).all()):
+            self.fallbacks["nonfinite_delta"] += 1
+            return
+        s = self.strategy
+        if existing is not None:
+            base_k, base_v = existing.keys, existing.values
+        else:
+            base_k, base_v = factorize(src_k, s.base_rank), factorize(src_v, s.base_rank)
+        correction = Correction(factorize(delta_k, s.delta_rank), factorize(delta_v, s.delta_rank))
+        self.bank.add(slot, source.id, source.agent, base_k, base_v, agent, correction)
+        self.anchor_build_s += time.perf_counter() - started

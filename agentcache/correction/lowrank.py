@@ -1,0 +1,94 @@
+"""Per-layer matrix factors for anchor states: truncated SVD (KVCMAS Eq. 7) or dense storage.
+
+A segment's keys or values `(L, H, T, D)` are seen per layer as a matrix of T rows (tokens) and
+F = H·D features. `factorize` keeps the top-r singular directions, `A = U_r Σ_r` (L, T, r) and
+`B = R_rᵀ` (L, r, F); `rank=None` stores the matrix itself (the full-dimensional baselines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Factors", "factorize", "as_rows", "from_rows"]
+
+
+def as_rows(kv: torch.Tensor) -> torch.Tensor:
+    """(L, H, T, D) -> (L, T, H·D): one row per token, per layer."""
+    layers, heads, tokens, dim = kv.shape
+    return kv.permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
+
+
+def from_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """(L, T, H·D) -> (L, H, T, D), the inverse of `as_rows`."""
+    layers, tokens, features = rows.shape
+    return rows.reshape(layers, tokens, heads, features // heads).permute(0, 2, 1, 3)
+
+
+@dataclass(frozen=True)
+class Factors:
+    """A stack of per-layer (T, F) matrices, `a @ b` per layer, or `a` alone when dense."""
+
+    a: torch.Tensor  # (L, T, r) low-rank, or (L, T, F) dense
+    b: torch.Tensor | None  # (L, r, F), or None when dense
+
+    @property
+    def length(self) -> int:
+        return int(self.a.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.a.shape[0])
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.b is None else int(self.a.shape[2])
+
+    @property
+    def features(self) -> int:
+        return int(self.a.shape[2] if self.b is None else self.b.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        held = self.a.numel() * self.a.element_size()
+        if self.b is not None:
+            held += self.b.numel() * self.b.element_size()
+        return held
+
+    def rows(self, count: int | None = None) -> torch.Tensor:
+        """The first `count` rows of every layer, reconstructed: (L, count, F)."""
+        a = self.a if count is None else self.a[:, :count]
+        return a.clone() if self.b is None else torch.bmm(a, self.b)
+
+    def layer_rows(self, layer: int, count: int | None = None) -> torch.Tensor:
+        """The first `count` rows of one layer, reconstructed: (count, F)."""
+        a = self.a[layer] if count is None else self.a[layer, :count]
+        return a.clone() if self.b is None else a @ self.b[layer]
+
+    def is_finite(self) -> bool:
+        return bool(torch.isfinite(self.a).all()) and (self.b is None or bool(torch.isfinite(self.b).all()))
+
+
+def factorize(rows: torch.Tensor, rank: int | None) -> Factors:
+    """Rank-`rank` truncated SVD of each layer of `rows` (L, T, F); `None` keeps it dense.
+
+    Computed from the F×F Gram matrix when T > F (cheaper than an SVD of the tall matrix and
+    the same top singular directions); the rank is clipped to min(T, F).
+    """
+    rows = rows.float()
+    if rank is None:
+        return Factors(rows.clone(), None)
+    if rank < 1:
+        raise ValueError(f"rank must be at least 1 or None (dense), got {rank}")
+    layers, tokens, features = rows.shape
+    r = min(rank, tokens, features)
+    if tokens > features:
+        gram = torch.bmm(rows.transpose(1, 2), rows).double()  # (L, F, F)
+        _, eigvecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+        basis = eigvecs[:, :, -r:].flip(-1).float()  # (L, F, r): top right singular vectors
+        a = torch.bmm(rows, basis)  # (L, T, r) = U_r Σ_r
+        return Factors(a.contiguous(), basis.transpose(1, 2).contiguous())  # b: (L, r, F)
+    u, s, vh = torch.linalg.svd(rows, full_matrices=False)  # (L, T, K), (L, K), (L, K, F)
+    a = u[:, :, :r] * s[:, None, :r]  # (L, T, r)
+    return Factors(a.contiguous(), vh[:, :r].contiguous())

@@ -1,0 +1,70 @@
+"""Anchor matching math (KVCMAS App. A.3): the entropy gate and token-wise correction weights.
+
+Stateless functions over tensors. Rows are per-layer token matrices `(L, T, F)` in canonical
+positions (keys rotated to start 0), as `lowrank.as_rows` makes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from agentcache.correction.lowrank import Factors
+
+__all__ = ["gate_distances", "normalized_entropy", "gate_weights", "interpolated_correction"]
+
+
+def gate_distances(source_values: torch.Tensor, anchors: list[Factors], k: int) -> torch.Tensor:
+    """Eq. 9: d_v = (Σ_ℓ ||V_src[ℓ, :k] − Ṽ_v[ℓ, :k]||²_F)^½ for each anchor's base values.
+
+    source_values: (L, ≥k, F); anchors: base value factors covering at least k rows. Returns (n,).
+    """
+    src = source_values[:, :k]  # (L, k, F)
+    return torch.stack([(src - base.rows(k)).pow(2).sum().sqrt() for base in anchors])
+
+
+def gate_weights(distances: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Eq. 10: g = softmax(−d / T)."""
+    return torch.softmax(-distances.double() / temperature, dim=0)
+
+
+def normalized_entropy(weights: torch.Tensor) -> float:
+    """Eq. 11: H̄(g) = −Σ g log₂ g / log₂ n, in [0, 1]; 0 = one anchor clearly preferred."""
+    n = weights.numel()
+    if n < 2:
+        raise ValueError("normalized entropy needs at least two weights")
+    g = weights.double().clamp_min(1e-300)
+    return float(-(g * g.log2()).sum() / math.log2(n))
+
+
+def interpolated_correction(
+    source: torch.Tensor,
+    bases: list[Factors],
+    deltas: list[Factors],
+    temperature: float,
+    base_layer_offset: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """Eq. 8 with token-wise weights: Δ̂[ℓ, t] = Σ_v w_v[ℓ, t] Δ_v[ℓ, t].
+
+    source: (L, S, F) source rows of the layers being corrected; deltas: per anchor, correction
+    factors of those layers; bases: base factors, whose layer ℓ + `base_layer_offset` pairs with
+    source layer ℓ. w_v[ℓ, t] = softmax over the anchors covering
+    token t of −mean|source[ℓ, t] − base_v[ℓ, t]| / T. Tokens no anchor covers get no correction
+    (no extrapolation). Works layer by layer. Returns (Δ̂ (L, S, F), tokens corrected).
+    """
+    layers, length, features = source.shape
+    covered = min(length, max(base.length for base in bases))
+    correction = torch.zeros_like(source)
+    for layer in range(layers):
+        distance = torch.full((len(bases), covered), math.inf, dtype=source.dtype)  # (n, covered)
+        reach = []
+        for v, base in enumerate(bases):
+            rows = min(covered, base.length)
+            reach.append(rows)
+            distance[v, :rows] = (source[layer, :rows] - base.layer_rows(layer + base_layer_offset, rows)).abs().mean(-1)
+        weights = torch.softmax(-distance / temperature, dim=0)  # (n, covered); every token has ≥1 anchor
+        for v, delta in enumerate(deltas):
+            rows = reach[v]
+            correction[layer, :rows] += weights[v, :rows, None] * delta.layer_rows(layer, rows)
+    return correction, covered

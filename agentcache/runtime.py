@@ -1,0 +1,271 @@
+"""The Runtime: one object that runs agent calls with a shared-context strategy.
+
+For each call it tokenizes the segments, serves the longest exact prefix from the engine's
+block pool (the agent's own lineage included), asks the corrector how to materialize every
+shared segment after it (corrected, raw, or dense), executes the plan on the engine, and then
+records each shared segment's cache as the source of the next workflow edge, builds anchors
+after dense fallbacks, and keeps the agent's decoded output as the source of `out:<agent>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from agentcache.correction.corrector import Corrector, PHDecision
+from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
+from agentcache.engine.kv import SegmentKV
+from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
+from agentcache.errors import KVShapeError, PlanError, RopeAlignmentError
+from agentcache.metrics import CallResult, SegmentReport, summarize
+from agentcache.segments import AgentCall, Segment, output_slot
+
+__all__ = ["Runtime", "RuntimeConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    anchor_bytes: int = 256 * 2**20  # all anchor pools together
+    store_bytes: int = 256 * 2**20  # materialized shared-segment caches (chain sources)
+    self_check: bool = True  # verify re-alignment and correction on this model before correcting
+
+    def __post_init__(self) -> None:
+        for name in ("anchor_bytes", "store_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class _Piece:
+    """One engine segment: a whole call segment, or part of a PH segment split at its reuse cover."""
+
+    index: int  # the call segment it belongs to
+    plan: SegmentPlan
+
+
+class Runtime:
+    """Runs agent calls end to end; see `run`. Thread-safe: calls run one at a time."""
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        model: Any = None,
+        strategy: str | Strategy = "kvcmas",
+        config: RuntimeConfig | None = None,
+        check: Any = None,
+    ) -> None:
+        if engine is None:
+            from agentcache.engine.embedded import EmbeddedEngine
+            from agentcache.models import DEFAULT_MODEL
+
+            engine = EmbeddedEngine(model or DEFAULT_MODEL)
+        elif model is not None:
+            raise ValueError("give either an engine or a model, not both")
+        self.engine = engine
+        self.config = config or RuntimeConfig()
+        self.requested_strategy = get_strategy(strategy)
+        self.check = check
+        self.refusal: str | None = None  # why a requested correcting strategy was refused
+        self.strategy = self._vet(self.requested_strategy)
+        self.corrector = Corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
+        self.results: list[CallResult] = []
+        self._last_output: dict[str, str] = {}
+        self._lock = threading.RLock()
+
+    def _vet(self, strategy: Strategy) -> Strategy:
+        """Refuse cross-context reuse on a model that fails the self-check: run NonShared instead."""
+        if not strategy.reuse:
+            return strategy
+        if not self.engine.supports_realignment:
+            log.warning("%s cannot re-align RoPE exactly; running NonShared instead of %s",
+                        self.engine.model_name, strategy.name)
+            self.refusal = f"{self.engine.model_name}: RoPE re-alignment is not exact on this model"
+            return STRATEGIES["nonshared"]
+        if self.check is None and self.config.self_check:
+            from agentcache.selfcheck import check_model
+
+            self.check = check_model(self.engine)
+        if self.check is not None and not self.check.passed:
+            log.warning("self-check failed on %s (%s); running NonShared instead of %s",
+                        self.engine.model_name, self.check.reason, strategy.name)
+            self.refusal = f"{self.engine.model_name} failed the self-check: {self.check.reason}"
+            return STRATEGIES["nonshared"]
+        return strategy
+
+    # --- running calls -------------------------------------------------------------------
+
+    def run(self, call: AgentCall, sampling: SamplingParams | None = None) -> CallResult:
+        """Run one agent call and return its text, timings and per-segment decisions."""
+        if not isinstance(call, AgentCall):
+            raise TypeError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
+        sampling = sampling or SamplingParams()
+        with self._lock, torch.inference_mode():
+            return self._run(call, sampling)
+
+    def output_segment(self, agent: str) -> Segment:
+        """A PH segment holding `agent`'s latest output, for another agent's call."""
+        if agent not in self._last_output:
+            raise PlanError(f"agent {agent!r} has produced no output yet; known: {sorted(self._last_output)}")
+        return Segment.ph(output_slot(agent), self._last_output[agent])
+
+    def _tokenize(self, call: AgentCall) -> list[list[int]]:
+        ids = []
+        bos = self.engine.bos_token_id
+        for i, seg in enumerate(call.segments):
+            if seg.token_ids is not None:
+                tokens = list(seg.token_ids)
+                if i == 0 and bos is not None and tokens[0] != bos:
+                    tokens.insert(0, bos)
+            else:
+                tokens = self.engine.tokenize(seg.text, bos=(i == 0))
+            if not tokens:
+                raise PlanError(f"segment {i} ({seg.name}) of agent {call.agent!r} tokenizes to nothing")
+            ids.append(tokens)
+        return ids
+
+    def _run(self, call: AgentCall, sampling: SamplingParams) -> CallResult:
+        started = time.perf_counter()
+        agent = call.agent
+        token_lists = self._tokenize(call)
+        prompt = [t for tokens in token_lists for t in tokens]
+        hit = self.engine.cached_prefix_length(prompt, lineage=agent)
+
+        decisions: dict[int, PHDecision] = {}
+        pieces: list[_Piece] = []
+        leading = True  # still inside the run of segments the prefix cache is looked up for
+        pos = 0
+        for index, (seg, tokens) in enumerate(zip(call.segments, token_lists)):
+            end = pos + len(tokens)
+            if seg.kind == "ph" and end > hit:
+                decision = self.corrector.plan(agent, seg.slot, tokens)
+                decisions[index] = decision
+                if decision.reused:
+                    cover = decision.covered
+                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, decision.inject)))
+                    if cover < len(tokens):
+                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.DENSE)))
+                    leading = False
+                    pos = end
+                    continue
+            step = Step.PREFIX if leading else Step.DENSE
+            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, step)))
+            pos = end
+        planned = time.perf_counter()
+
+        request = ExecRequest([p.plan for p in pieces], sampling, lineage=agent, owner=agent)
+        try:
+            result = self.engine.execute(request)
+        except (KVShapeError, RopeAlignmentError) as exc:
+            if not any(p.plan.step is Step.INJECT for p in pieces):
+                raise
+            # The engine refused injected KV: never serve it, prefill everything instead.
+            log.warning("engine refused reused KV for agent %r (%s); prefilling densely", agent, exc)
+            for index, decision in decisions.items():
+                if decision.reused:
+                    self.corrector.fallbacks["engine_rejected"] += 1
+                    decisions[index] = PHDecision("fallback", reason="engine_rejected")
+            pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(call.segments, token_lists))]
+            planned = time.perf_counter()
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=agent, owner=agent))
+        ttft = (planned - started) + result.ttft_s
+
+        kvs = [_joined([o.kv for p, o in zip(pieces, result.segments) if p.index == i]) for i in range(len(call.segments))]
+        reports = self._commit(call, token_lists, pieces, decisions, result, kvs)
+        self._last_output[agent] = result.text
+        outcome = CallResult(
+            agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
+            ttft_s=ttft, total_s=time.perf_counter() - started, prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
+            eligible_tokens=sum(
+                r.length - r.cached_tokens for r in reports
+                if r.kind == "ph" and r.decision in ("corrected", "reused", "fallback")
+            ),
+            reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
+            segments=reports, engine_result=result, segment_kv=kvs,
+        )
+        self.results.append(outcome)
+        return outcome
+
+    def _commit(
+        self,
+        call: AgentCall,
+        token_lists: list[list[int]],
+        pieces: list[_Piece],
+        decisions: dict[int, PHDecision],
+        result: ExecResult,
+        kvs: list[SegmentKV | None],
+    ) -> list[SegmentReport]:
+        """Record materializations and anchors (after the first token), and report each segment."""
+        reports = []
+        for index, (seg, tokens) in enumerate(zip(call.segments, token_lists)):
+            outcomes = [o for p, o in zip(pieces, result.segments) if p.index == index]
+            cached = sum(o.cached_tokens for o in outcomes)
+            computed = sum(o.computed_tokens for o in outcomes)
+            injected = sum(o.injected_tokens for o in outcomes)
+            decision = decisions.get(index)
+            if decision is not None:
+                label = decision.decision
+            else:
+                label = "prefix_hit" if cached == len(tokens) else "dense"
+            if seg.kind == "ph":
+                kv = kvs[index]
+                how = label if decision is not None and decision.reused else ("prefix_hit" if cached == len(tokens) else "dense")
+                self.corrector.commit(call.agent, seg.slot, tokens, decision or PHDecision(label), kv, how)
+            reports.append(SegmentReport(
+                name=seg.name, kind=seg.kind, start=outcomes[0].start, length=len(tokens), decision=label,
+                reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
+                injected_tokens=injected, entropy=decision.entropy if decision else None,
+            ))
+        fed = result.token_ids[:-1]
+        self.corrector.record_output(call.agent, fed, result.generated_kv)
+        return reports
+
+    # --- figures -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        figures = summarize(self.results)
+        bank, store = self.corrector.bank, self.corrector.store
+        figures.update(
+            model=self.engine.model_name,
+            strategy=self.strategy.name,
+            requested_strategy=self.requested_strategy.name,
+            refusal=self.refusal,
+            anchors=bank.num_anchors,
+            anchor_bytes=bank.nbytes,
+            anchors_evicted=bank.evicted,
+            store_bytes=store.nbytes,
+            store_entries=len(store),
+            anchor_build_s=self.corrector.anchor_build_s,
+            faults=dict(self.corrector.fallbacks),
+        )
+        return figures
+
+    def export_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"summary": self.summary(), "calls": [r.to_dict() for r in self.results]}
+        path.write_text(json.dumps(payload, indent=2))
+        return path
+
+
+def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:
+    """One segment's KV from the engine segments it was split into (contiguous positions)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    keys = torch.cat([p.keys for p in parts], dim=2)  # (L, H, T, D)
+    values = torch.cat([p.values for p in parts], dim=2)
+    return SegmentKV(keys, values, parts[0].start, None)

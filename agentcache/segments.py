@@ -1,0 +1,85 @@
+"""What adapters hand the runtime: agent calls made of PF and PH segments (KVCMAS Eq. 1)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot"]
+
+
+def output_slot(agent: str) -> str:
+    """The slot of an agent's output as other agents read it."""
+    return f"out:{agent}"
+
+
+class Segment(BaseModel):
+    """PF: agent-specific text (always exact). PH: shared content, read through its `slot`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["pf", "ph"]
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None  # given instead of text, already tokenized
+    slot: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Segment":
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a segment needs exactly one of `text` or `token_ids`")
+        if self.text is not None and self.text == "":
+            raise ValueError(f"{self.kind.upper()} segment text is empty; a segment must have content")
+        if self.token_ids is not None and len(self.token_ids) == 0:
+            raise ValueError(f"{self.kind.upper()} segment has no token ids; a segment must have content")
+        if self.kind == "ph" and not self.slot:
+            raise ValueError("a PH (shared) segment needs a slot name, e.g. 'query' or 'out:<agent>'")
+        if self.kind == "pf" and self.slot is not None:
+            raise ValueError("a PF (agent-specific) segment has no slot; use kind='ph' for shared content")
+        return self
+
+    @classmethod
+    def pf(cls, text: str) -> "Segment":
+        return cls(kind="pf", text=text)
+
+    @classmethod
+    def ph(cls, slot: str, text: str) -> "Segment":
+        return cls(kind="ph", slot=slot, text=text)
+
+    @property
+    def name(self) -> str:
+        return self.slot if self.kind == "ph" else "pf"
+
+
+class AgentCall(BaseModel):
+    """One LLM call of one agent: `[PF_sys, PH_q, PF_glue, PH_out, ...]`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agent: str
+    segments: tuple[Segment, ...]
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_name(cls, value: str) -> str:
+        if not value or not value.strip():
+            raise ValueError("an agent call needs a non-empty agent name")
+        if value.startswith("<"):
+            raise ValueError(f"agent names starting with '<' are reserved, got {value!r}")
+        return value
+
+    @field_validator("segments")
+    @classmethod
+    def _some_segments(cls, value: tuple[Segment, ...]) -> tuple[Segment, ...]:
+        if not value:
+            raise ValueError("an agent call needs at least one segment")
+        return value
+
+
+class DispatchEvent(BaseModel):
+    """Which agent runs now (from a framework adapter); feeds eviction and warm-up later."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agent: str
+    session: str | None = None

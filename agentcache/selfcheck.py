@@ -1,0 +1,118 @@
+"""A model self-check to run before trusting cross-context KV reuse on it.
+
+1. RoPE re-alignment: a probe text's keys computed at one position and re-aligned to another
+   must match the keys computed there (layer 0, which depends on position only).
+2. Correction fidelity: a short three-agent probe workflow runs KVCMAS (gate open, so every
+   edge with two anchors is corrected) beside dense prefill; corrected shared-segment KV must
+   be closer to the dense KV than the raw aligned reuse is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from agentcache.engine.kv import SegmentKV
+from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+
+__all__ = ["CheckReport", "check_model", "relative_error", "kv_error", "ROPE_TOLERANCE"]
+
+ROPE_TOLERANCE = 1e-3  # relative Frobenius error of re-aligned layer-0 keys
+
+_PROBE_AGENTS = {
+    "analyst": "You are a careful analyst. Read the problem and list the facts it gives.\n",
+    "solver": "You are a math solver. Work step by step and give the final number.\n",
+    "critic": "You are a strict critic. Point out any mistake in the reasoning below.\n",
+}
+_PROBE_QUERIES = [
+    "Mia has 12 apples and buys 7 more at the market, then gives 5 to her brother.",
+    "A train travels 60 miles per hour for 3 hours and then 40 miles per hour for 2 hours.",
+    "The library had 340 books, lent out 85 on Monday and received 42 new ones on Tuesday.",
+    "Four friends share 3 pizzas cut into 8 slices each and eat all but 5 slices.",
+    "A farmer plants 9 rows of corn with 14 plants in each row and 6 plants die.",
+]
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    model: str
+    passed: bool
+    reason: str
+    rope_error: float | None
+    corrected_error: float | None  # mean relative Frobenius error of corrected PH KV vs dense
+    uncorrected_error: float | None  # the same for the raw aligned source cache
+    corrections: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx − exact||_F / ||exact||_F."""
+    return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+
+
+def _rope_error(engine: Engine) -> float:
+    """Relative error of the probe text's layer-0 keys moved from one position to another."""
+    bos = engine.tokenize("", bos=True)  # [BOS], or [] for a model without one
+    text = engine.tokenize(" The quick brown fox jumps over the lazy dog near the river bank.")
+    lead = engine.tokenize(" Some words that come first and push the text to later positions.")
+    sampling = SamplingParams(max_tokens=1)
+
+    def text_kv(before: list[int]):
+        segments = ([SegmentPlan("before", before, Step.DENSE)] if before else []) + [SegmentPlan("text", text, Step.DENSE)]
+        return engine.execute(ExecRequest(segments, sampling)).segments[-1].kv
+
+    early, late = text_kv(bos), text_kv(bos + lead)
+    return relative_error(engine.realign(early, late.start).keys[0], late.keys[0])
+
+
+def kv_error(approx: SegmentKV, exact: SegmentKV) -> float:
+    """Mean of the K and V relative errors over layers 1.. (layer 0 is exact after alignment)."""
+    return (relative_error(approx.keys[1:], exact.keys[1:]) + relative_error(approx.values[1:], exact.values[1:])) / 2
+
+
+def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckReport:
+    """Run both checks; `passed` is False with a reason when reuse should not be trusted."""
+    from agentcache.correction.strategies import STRATEGIES
+    from agentcache.runtime import Runtime, RuntimeConfig
+    from agentcache.segments import AgentCall, Segment
+
+    name = engine.model_name
+    if not engine.supports_realignment:
+        return CheckReport(name, False, "RoPE re-alignment is not supported on this model", None, None, None, 0)
+    rope = _rope_error(engine)
+    if not rope <= tolerance:
+        return CheckReport(name, False, f"re-aligned keys differ from keys computed in place by {rope:.2e} "
+                           f"(tolerance {tolerance:.0e})", rope, None, None, 0)
+
+    open_gate = STRATEGIES["kvcmas"].replace(tau=1.0)
+    fresh = getattr(engine, "with_config", None)
+    reuse = Runtime(fresh(engine.config) if fresh else engine, strategy=open_gate, config=RuntimeConfig(self_check=False))
+    dense = Runtime(fresh(engine.config) if fresh else engine, strategy="nonshared", config=RuntimeConfig(self_check=False))
+    corrected, raw = [], []
+    sampling = SamplingParams(max_tokens=1)
+    for query in _PROBE_QUERIES:
+        for agent, system in _PROBE_AGENTS.items():
+            call = AgentCall(agent=agent, segments=(Segment.pf(system), Segment.ph("query", "Problem: " + query),
+                                                    Segment.pf("\nAnswer:")))
+            source = reuse.corrector.store.find("query", engine.tokenize("Problem: " + query))
+            got = reuse.run(call, sampling)
+            want = dense.run(call, sampling)
+            seg = got.segments[1]
+            if seg.decision != "corrected":
+                continue
+            got_kv, want_kv = got.segment_kv[1], want.segment_kv[1]
+            source_kv = engine.realign(source[0].kv, want_kv.start)
+            corrected.append(kv_error(got_kv, want_kv))
+            raw.append(kv_error(source_kv, want_kv))
+    if not corrected:
+        return CheckReport(name, False, "the probe workflow produced no corrections to measure", rope, None, None, 0)
+    mean_corrected = sum(corrected) / len(corrected)
+    mean_raw = sum(raw) / len(raw)
+    passed = mean_corrected <= mean_raw
+    reason = (f"correction brings shared KV to {mean_corrected:.3f} relative error (raw reuse {mean_raw:.3f})"
+              if passed else
+              f"correction makes shared KV worse than raw reuse ({mean_corrected:.3f} vs {mean_raw:.3f})")
+    return CheckReport(name, passed, reason, rope, mean_corrected, mean_raw, len(corrected))
