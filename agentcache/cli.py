@@ -26,6 +26,18 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from agentcache.engine import EmbeddedEngine
+    from agentcache.selfcheck import check_model
+
+    report = check_model(EmbeddedEngine(args.model))
+    print(json.dumps(report.to_dict(), indent=2))
+    print(("PASSED: " if report.passed else "FAILED: ") + report.reason, file=sys.stderr)
+    return 0 if report.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     models = commands.add_parser("models", help="list model presets; --prepare converts the default model")
     models.add_argument("--prepare", action="store_true")
     models.set_defaults(run=_cmd_models)
+
+    check = commands.add_parser(
+        "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
+    check.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    check.set_defaults(run=_cmd_check)
 
     args = parser.parse_args(argv)
     return args.run(args)

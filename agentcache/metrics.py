@@ -24,6 +24,7 @@ class SegmentReport:
     computed_tokens: int
     injected_tokens: int
     entropy: float | None = None
+    source: str | None = None  # the agent whose cache was the source (corrected/reused/fallback)
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,15 @@ class CallResult:
     segments: list[SegmentReport]
     engine_result: ExecResult | None = field(default=None, repr=False, compare=False)
     segment_kv: list[SegmentKV | None] = field(default_factory=list, repr=False, compare=False)  # per call segment
+    prompt_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("engine_result", "segment_kv")} | {
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_EXPORTED} | {
             "segments": [asdict(s) for s in self.segments]
         }
+
+
+_NOT_EXPORTED = ("engine_result", "segment_kv", "prompt_ids")
 
 
 def percentile(values: list[float], q: float) -> float | None:

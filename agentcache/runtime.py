@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    anchor_bytes: int = 256 * 2**20  # all anchor pools together
-    store_bytes: int = 256 * 2**20  # materialized shared-segment caches (chain sources)
+    anchor_bytes: int = 2**30  # all anchor pools together
+    store_bytes: int = 2**30  # materialized shared-segment caches (chain sources)
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
 
     def __post_init__(self) -> None:
@@ -193,7 +193,7 @@ class Runtime:
                 if r.kind == "ph" and r.decision in ("corrected", "reused", "fallback")
             ),
             reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
-            segments=reports, engine_result=result, segment_kv=kvs,
+            segments=reports, engine_result=result, segment_kv=kvs, prompt_ids=prompt,
         )
         self.results.append(outcome)
         return outcome
@@ -227,6 +227,7 @@ class Runtime:
                 name=seg.name, kind=seg.kind, start=outcomes[0].start, length=len(tokens), decision=label,
                 reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
                 injected_tokens=injected, entropy=decision.entropy if decision else None,
+                source=decision.source.agent if decision and decision.source else None,
             ))
         fed = result.token_ids[:-1]
         self.corrector.record_output(call.agent, fed, result.generated_kv)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 
-from agentcache.engine.kv import SegmentKV
+from agentcache.fidelity import kv_error, relative_error
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 
-__all__ = ["CheckReport", "check_model", "relative_error", "kv_error", "ROPE_TOLERANCE"]
+__all__ = ["CheckReport", "check_model", "ROPE_TOLERANCE"]
 
 ROPE_TOLERANCE = 1e-3  # relative Frobenius error of re-aligned layer-0 keys
 
@@ -48,11 +47,6 @@ class CheckReport:
         return asdict(self)
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """||approx − exact||_F / ||exact||_F."""
-    return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
-
-
 def _rope_error(engine: Engine) -> float:
     """Relative error of the probe text's layer-0 keys moved from one position to another."""
     bos = engine.tokenize("", bos=True)  # [BOS], or [] for a model without one
@@ -66,11 +60,6 @@ def _rope_error(engine: Engine) -> float:
 
     early, late = text_kv(bos), text_kv(bos + lead)
     return relative_error(engine.realign(early, late.start).keys[0], late.keys[0])
-
-
-def kv_error(approx: SegmentKV, exact: SegmentKV) -> float:
-    """Mean of the K and V relative errors over layers 1.. (layer 0 is exact after alignment)."""
-    return (relative_error(approx.keys[1:], exact.keys[1:]) + relative_error(approx.values[1:], exact.values[1:])) / 2
 
 
 def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckReport:

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentcache.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +47,44 @@ def test_readme_engine_snippet_runs():
     namespace: dict = {"print": lambda *a: None}
     exec(compile(snippet.replace('"gemma3-270m"', '"tiny-llama"'), "README.md", "exec"), namespace)
     assert namespace["result"].segments[1].kv.length == namespace["query_kv"].length > 0
+
+
+def _quick(script: str, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_fidelity_bench_quick_reports_every_strategy():
+    result = _quick("fidelity.py")
+    assert result["model"] == "gemma3-270m"
+    names = {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"}
+    assert set(result["strategies"]) == names
+    for name, row in result["strategies"].items():
+        assert {"kv_rel_error", "token_agreement", "accuracy", "reuse_ratio"} <= row.keys()
+    nonshared = result["strategies"]["nonshared"]
+    assert nonshared["kv_rel_error"] < 1e-4 and nonshared["token_agreement"] == 1.0
+    assert result["strategies"]["kvcmas"]["reuse_ratio"] > 0.5
+    assert result["strategies"]["kvcmas"]["kv_rel_error"] < result["strategies"]["fullshared"]["kv_rel_error"]
+
+
+@pytest.mark.slow
+def test_anchor_memory_bench_quick_matches_its_formula():
+    result = _quick("anchor_memory.py")
+    rows = {row["L"]: row for row in result["rows"]}
+    assert {2048, 8192} <= rows.keys()
+    assert all(rows[n]["formula_matches"] and rows[n]["ratio"] > 1 for n in (2048, 8192))
+    assert rows[8192]["ratio"] > rows[2048]["ratio"]  # the low-rank saving grows with the length
+
+
+@pytest.mark.slow
+def test_ttft_bench_quick_reports_speedups():
+    result = _quick("ttft.py")
+    assert set(result["speedup_vs_nonshared"]) == {"nonshared", "fullshared", "kvcomm", "kvcmas",
+                                                    "kvcmas_nonchained", "kvcmas_fullrank"}
+    assert result["speedup_vs_nonshared"]["nonshared"] == 1.0
+    assert result["speedup_vs_nonshared"]["kvcmas"] > 1.0
+    assert result["chained_vs_nonchained_ttft_ratio"] > 0

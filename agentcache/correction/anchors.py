@@ -51,16 +51,20 @@ class Anchor:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.corrections.values())
 
-    def is_valid(self, num_layers: int, features: int) -> bool:
-        """Shapes agree with the model and with each other, and every number is finite."""
+    def fits(self, num_layers: int, features: int) -> bool:
+        """Shapes agree with the model and with each other (cheap: checked on every use)."""
         parts = [self.keys, self.values] + [f for c in self.corrections.values() for f in (c.keys, c.values)]
         for part in parts:
             if part.features != features or part.length != self.length:
                 return False
         if self.keys.num_layers != num_layers or self.values.num_layers != num_layers:
             return False
-        if any(c.keys.num_layers != num_layers - 1 or c.values.num_layers != num_layers - 1 for c in self.corrections.values()):
-            return False
+        return all(c.keys.num_layers == num_layers - 1 and c.values.num_layers == num_layers - 1
+                   for c in self.corrections.values())
+
+    def is_finite(self) -> bool:
+        """Every stored number is finite (checked when a correction comes out non-finite)."""
+        parts = [self.keys, self.values] + [f for c in self.corrections.values() for f in (c.keys, c.values)]
         return all(part.is_finite() for part in parts)
 
 

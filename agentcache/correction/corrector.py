@@ -120,7 +120,7 @@ class Corrector:
         pool = self.bank.pool(slot)
         candidates = pool.candidates(source.agent, agent)
         for anchor in candidates:
-            if not anchor.is_valid(layout.num_layers, features):
+            if not anchor.fits(layout.num_layers, features):
                 self.bank.drop(slot, anchor)
                 return PHDecision("fallback", reason="bad_anchor", source=source)
         single = len(candidates) == 1 and self.strategy.max_anchors == 1  # V=1 bypasses the gate
@@ -151,6 +151,9 @@ class Corrector:
             out[1:] += delta  # layer 0 depends on position only: exact after alignment
             corrected.append(from_rows(out.to(layout.dtype), layout.num_kv_heads))
         if not all(bool(torch.isfinite(t).all()) for t in corrected):
+            for anchor in candidates:  # find the corrupted anchors so they stop poisoning the slot
+                if not anchor.is_finite():
+                    self.bank.drop(slot, anchor)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
         for anchor in candidates:
             anchor.uses += 1

@@ -1,7 +1,7 @@
 """The store of materialized shared-segment caches: the sources of the next workflow edges.
 
-Per slot it keeps the latest materializations (dense, corrected, or decoded), newest first,
-each with the agent that made it. Bounded by a byte budget over all entries: least recently
+It keeps the latest materialization (dense, corrected, or decoded) of each slot's content,
+with the agent that made it. Bounded by a byte budget over all entries: least recently
 used entries go first.
 """
 
@@ -63,6 +63,9 @@ class SegmentStore:
         if entry.nbytes > self.byte_budget:
             self.rejected_too_large += 1
             return None
+        # The newest materialization of the same content replaces older ones (it is the chain's source).
+        for old in [e.id for e in self._entries.values() if e.slot == slot and e.token_ids == entry.token_ids]:
+            del self._entries[old]
         self._entries[entry.id] = entry
         while self.nbytes > self.byte_budget:
             self._entries.popitem(last=False)

@@ -156,6 +156,24 @@ class EmbeddedEngine:
             blocks = len(self.pool.match(token_ids, lineage))
         return min(blocks, (len(token_ids) - 1) // self.block_size) * self.block_size
 
+    def continuation_logits(self, prompt_kv: Sequence[SegmentKV], token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits: feed `token_ids` after a prompt given as its KV (contiguous
+        segments from position 0). Returns (len(token_ids), V): row i predicts the token after
+        token_ids[i]. Nothing is cached."""
+        with self._lock, torch.inference_mode():
+            length = sum(kv.length for kv in prompt_kv)
+            cache = CallCache(self.layout, length + len(token_ids), torch.device(self.config.device))
+            for kv in prompt_kv:
+                kv.check(self.layout, kv.length, "prompt KV")
+                if kv.start != cache.length:
+                    raise KVShapeError(f"prompt KV segments must be contiguous from 0; one starts at {kv.start}, "
+                                       f"expected {cache.length}")
+                cache.append(kv.keys, kv.values)
+            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=cache.key_buffer.device)  # (1, n)
+            positions = torch.arange(length, length + len(token_ids), device=ids.device)[None]
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+            return out.logits[0].float()  # (n, V)
+
     # --- execution ------------------------------------------------------------------------------
 
     def execute(self, request: ExecRequest) -> ExecResult:

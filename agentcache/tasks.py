@@ -1,0 +1,115 @@
+"""Synthetic tasks with checkable answers, and the four-agent workflow the benchmarks run.
+
+Nothing is downloaded: problems are generated from a seed. `fact_problem` hides one code among
+several records (retrieval a small base model can do from context); `arithmetic_problem` is a
+GSM8K-style word problem with a known integer answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from agentcache.engine.protocol import SamplingParams
+from agentcache.metrics import CallResult
+from agentcache.segments import AgentCall, Segment, output_slot
+
+__all__ = ["Problem", "fact_problem", "arithmetic_problem", "first_number", "FourAgentWorkflow"]
+
+_NAMES = ["Alice", "Bruno", "Chen", "Dana", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kofi", "Lena",
+          "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Yara"]
+_THINGS = ["locker code", "room number", "badge number", "parcel code", "seat number", "ticket code"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    text: str  # the shared query (PH `query`)
+    answer: int
+    subject: str  # what the final agent completes, e.g. "the locker code of Dana is"
+
+
+def fact_problem(seed: int, records: int = 8) -> Problem:
+    rng = random.Random(seed)
+    thing = rng.choice(_THINGS)
+    names = rng.sample(_NAMES, records)
+    codes = rng.sample(range(1000, 10000), records)
+    lines = [f"- The {thing} of {name} is {code}." for name, code in zip(names, codes)]
+    target = rng.randrange(records)
+    text = "Records:\n" + "\n".join(lines) + f"\nQuestion: What is the {thing} of {names[target]}?"
+    return Problem(text, codes[target], f"the {thing} of {names[target]} is")
+
+
+def arithmetic_problem(seed: int) -> Problem:
+    rng = random.Random(seed)
+    name = rng.choice(_NAMES)
+    start, bought, given = rng.randint(5, 40), rng.randint(2, 30), rng.randint(1, 5)
+    price = rng.randint(2, 9)
+    text = (f"{name} has {start} marbles. {name} buys {bought} more marbles and then gives away {given} marbles. "
+            f"Each marble is worth {price} dollars. How many dollars are {name}'s marbles worth now?")
+    return Problem(text, (start + bought - given) * price, "the answer is")
+
+
+def first_number(text: str) -> int | None:
+    match = re.search(r"-?\d[\d,]*", text)
+    return int(match.group().replace(",", "")) if match else None
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+    system: str
+    glue: str  # after the query, before the agent writes; "{subject}" is the problem's subject
+
+
+_ROLES = (
+    _Role("retriever", "You are a retriever. You find the record that answers the question and quote its value.\n\n",
+          "\nFound in the records: {subject}"),
+    _Role("reader", "You are a careful reader. You answer questions about the records with the exact number.\n\n",
+          "\nAnswer: {subject}"),
+    _Role("verifier", "You are a verifier. You check the records twice and state the correct value.\n\n",
+          "\nChecked against the records, {subject}"),
+)
+_FINAL = "final"
+
+
+class FourAgentWorkflow:
+    """Three role agents read the shared query in turn; a final agent reads the query and their
+    outputs (fan-in) and gives the answer. The query's chain is retriever -> reader -> verifier ->
+    final; each output's source is the agent that wrote it."""
+
+    agents = tuple(r.name for r in _ROLES) + (_FINAL,)
+
+    def __init__(self, role_tokens: int = 16, final_tokens: int = 8) -> None:
+        self.role_sampling = SamplingParams(max_tokens=role_tokens, stop=("\n",))
+        self.final_sampling = SamplingParams(max_tokens=final_tokens, stop=("\n",))
+
+    def role_call(self, role: _Role, problem: Problem) -> AgentCall:
+        return AgentCall(agent=role.name, segments=(
+            Segment.pf(role.system), Segment.ph("query", problem.text),
+            Segment.pf(role.glue.format(subject=problem.subject))))
+
+    def final_call(self, problem: Problem, outputs: dict[str, str]) -> AgentCall:
+        segments = [Segment.pf("You are the final judge. Read the question and what the other agents said, "
+                               "then give the final answer.\n\n"),
+                    Segment.ph("query", problem.text)]
+        for role in _ROLES:
+            segments.append(Segment.pf(f"\nThe {role.name} said:"))
+            segments.append(Segment.ph(output_slot(role.name), outputs[role.name] or " (nothing)"))
+        segments.append(Segment.pf(f"\nFinal answer: {problem.subject}"))
+        return AgentCall(agent=_FINAL, segments=tuple(segments))
+
+    def run(self, execute: Callable[[AgentCall, SamplingParams], CallResult], problem: Problem) -> list[CallResult]:
+        """Run the four calls through `execute` (for example `Runtime.run`) and return their results."""
+        results, outputs = [], {}
+        for role in _ROLES:
+            result = execute(self.role_call(role, problem), self.role_sampling)
+            outputs[role.name] = result.text
+            results.append(result)
+        results.append(execute(self.final_call(problem, outputs), self.final_sampling))
+        return results
+
+    @staticmethod
+    def correct(results: list[CallResult], problem: Problem) -> bool:
+        return first_number(results[-1].text) == problem.answer

@@ -1,0 +1,119 @@
+"""Anchor-pool memory: low-rank (KVCMAS) against full-dimensional (KVComm-style) anchors.
+
+One slot's pool with V anchors, each holding a base cache and corrections for N consumers,
+built through the real `AnchorBank` and `factorize` and counted in bytes from the tensors held.
+The layout is the model's (layers, KV heads x head dim); the formula
+
+    full     = V * (2*Ly*L*F + N * 2*(Ly-1)*L*F) * 4
+    low-rank = V * (2*Ly*r*(L+F) + N * 2*(Ly-1)*r*(L+F)) * 4     (float32, r = 32)
+
+is checked against the measured bytes and then gives the 32K row. A pool's V anchors all have
+the same shapes, so its bytes are V times those of one anchor built and measured (a full pool
+of V anchors is built at a short length to check that the bank adds up the same way). Full mode takes the KV from a
+real prefill of the model; `--quick` uses random tensors of the same layout (bytes depend on
+shapes only) and finishes in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from agentcache.correction.anchors import AnchorBank, Correction
+from agentcache.correction.lowrank import as_rows, factorize
+from agentcache.engine import EmbeddedEngine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.models import DEFAULT_MODEL
+
+FLOAT_BYTES = 4
+
+
+def formula(length: int, layers: int, features: int, anchors: int, consumers: int, rank: int | None) -> int:
+    if rank is None:
+        per_base, per_delta = 2 * layers * length * features, 2 * (layers - 1) * length * features
+    else:
+        r = min(rank, length, features)
+        per_base, per_delta = 2 * layers * r * (length + features), 2 * (layers - 1) * r * (length + features)
+    return anchors * (per_base + consumers * per_delta) * FLOAT_BYTES
+
+
+def anchor_bytes(rows_k: torch.Tensor, rows_v: torch.Tensor, consumers: int, rank: int | None,
+                 anchors: int = 1) -> tuple[int, float]:
+    """Build `anchors` anchors of one slot's pool, each a base plus `consumers` corrections, through
+    the real bank; rows_*: (Ly, L, F) source KV. Returns (bytes the bank holds, seconds per anchor)."""
+    bank = AnchorBank(capacity=anchors, byte_budget=2**62)
+    started = time.perf_counter()
+    for v in range(anchors):
+        base_k, base_v = factorize(rows_k, rank), factorize(rows_v, rank)
+        for n in range(consumers):
+            # A consumer's correction: a scaled copy of the source (byte counts depend on shapes only).
+            delta = Correction(factorize(rows_k[1:] * 0.01 * (n + 1), rank), factorize(rows_v[1:] * 0.01 * (n + 1), rank))
+            bank.add("query", f"source-{v}", "agent-0", base_k, base_v, f"agent-{n + 1}", delta)
+    assert bank.num_anchors == anchors
+    return bank.nbytes, (time.perf_counter() - started) / anchors
+
+
+def source_rows(engine: EmbeddedEngine | None, layout, length: int, real: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if not real:
+        gen = torch.Generator().manual_seed(length)
+        shape = (layout.num_layers, layout.num_kv_heads, length, layout.head_dim)
+        return as_rows(torch.randn(shape, generator=gen)), as_rows(torch.randn(shape, generator=gen))
+    words = "the shared query lists every record and each agent reads it again".split()
+    text = " ".join(words[i % len(words)] for i in range(length))
+    ids = engine.tokenize(text, bos=True)[:length]
+    result = engine.execute(ExecRequest([SegmentPlan("context", ids, Step.DENSE)], SamplingParams(max_tokens=1)))
+    kv = result.segments[0].kv
+    return as_rows(kv.keys).float(), as_rows(kv.values).float()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--anchors", type=int, default=10)
+    parser.add_argument("--consumers", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    engine = EmbeddedEngine(args.model)
+    layout = engine.layout
+    features = layout.num_kv_heads * layout.head_dim
+    short_k, short_v = source_rows(engine, layout, 256, real=False)
+    one, _ = anchor_bytes(short_k, short_v, args.consumers, args.rank)
+    pool, _ = anchor_bytes(short_k, short_v, args.consumers, args.rank, anchors=args.anchors)
+    if pool != args.anchors * one:
+        raise SystemExit(f"a pool of {args.anchors} anchors holds {pool} bytes, not {args.anchors} x {one}")
+    rows = []
+    for length in (2048, 8192):
+        rows_k, rows_v = source_rows(engine, layout, length, real=not args.quick)
+        low_one, low_s = anchor_bytes(rows_k, rows_v, args.consumers, args.rank)
+        full_one, _ = anchor_bytes(rows_k, rows_v, args.consumers, None)
+        low, full = args.anchors * low_one, args.anchors * full_one
+        expected_low = formula(length, layout.num_layers, features, args.anchors, args.consumers, args.rank)
+        expected_full = formula(length, layout.num_layers, features, args.anchors, args.consumers, None)
+        rows.append({
+            "L": length, "lowrank_bytes": low, "full_bytes": full, "ratio": full / low, "measured": True,
+            "formula_matches": low == expected_low and full == expected_full,
+            "lowrank_build_s_per_anchor": round(low_s, 3),
+        })
+    if all(r["formula_matches"] for r in rows):
+        length = 32768
+        low = formula(length, layout.num_layers, features, args.anchors, args.consumers, args.rank)
+        full = formula(length, layout.num_layers, features, args.anchors, args.consumers, None)
+        rows.append({"L": length, "lowrank_bytes": low, "full_bytes": full, "ratio": full / low, "measured": False})
+    print(json.dumps({
+        "model": engine.model_name,
+        "layers": layout.num_layers, "kv_features_per_layer": features,
+        "V": args.anchors, "N": args.consumers, "rank": args.rank,
+        "max_ratio_F_over_r": features / args.rank,
+        "source": "random tensors of the model's KV layout" if args.quick else "KV of a real prefill",
+        "rows": rows,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

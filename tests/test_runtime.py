@@ -1,0 +1,245 @@
+"""The Runtime with every strategy on real engines: chains, fan-in, fallbacks and faults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentcache.correction.strategies import STRATEGIES
+from agentcache.engine import SamplingParams
+from agentcache.errors import ContextLengthError, PlanError
+from agentcache.fidelity import kv_error
+from agentcache.runtime import Runtime, RuntimeConfig
+from agentcache.segments import AgentCall, Segment
+from agentcache.selfcheck import CheckReport
+from tests.conftest import make_engine, text_of_length
+
+ROLES = {
+    "planner": "You plan the trip step by step.\n",
+    "local": "You know the city and its neighbourhoods well.\n",
+    "critic": "You look for mistakes in every plan you read.\n",
+}
+ONE = SamplingParams(max_tokens=1)
+NO_CHECK = RuntimeConfig(self_check=False)
+
+
+def runtime(strategy: str, preset: str = "tiny-llama", tau: float = 1.0, **config) -> Runtime:
+    """A runtime on a fresh engine; the gate is open (tau=1) unless asked, so that two anchors
+    per edge always give a correction and the tests do not depend on random-weight entropies."""
+    return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=tau),
+                   config=RuntimeConfig(self_check=False, **config))
+
+
+def role_call(agent: str, query: str) -> AgentCall:
+    return AgentCall(agent=agent, segments=(Segment.pf(ROLES[agent]), Segment.ph("query", query), Segment.pf("\nNotes:")))
+
+
+def chain(rt: Runtime, query: str, sampling: SamplingParams = ONE) -> list:
+    return [rt.run(role_call(agent, query), sampling) for agent in ROLES]
+
+
+def warm(rt: Runtime, rounds: int = 2) -> None:
+    for seed in range(rounds):
+        chain(rt, text_of_length(rt.engine, 40, seed=100 + seed))
+
+
+def test_nonshared_is_dense_prefill_with_prefix_caching():
+    rt, dense = runtime("nonshared"), runtime("nonshared")
+    query = text_of_length(rt.engine, 30)
+    first = chain(rt, query)
+    again = chain(dense, query)
+    assert all(s.decision in ("off", "dense", "prefix_hit") for r in first for s in r.segments)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert rt.summary()["reuse_ratio"] == 0.0
+
+
+def test_kvcmas_exact_first_agent_then_corrected_chain():
+    rt, dense = runtime("kvcmas"), runtime("nonshared")
+    warm(rt)
+    query = text_of_length(rt.engine, 40, seed=7)
+    got = chain(rt, query)
+    want = chain(dense, query)
+    assert [r.segments[1].decision for r in got] == ["first", "corrected", "corrected"]
+    assert [r.segments[1].source for r in got] == [None, "planner", "local"]  # each edge reads the previous agent
+    assert kv_error(got[0].segment_kv[1], want[0].segment_kv[1]) < 1e-5  # the first agent is exact
+    for r, d in zip(got[1:], want[1:]):
+        corrected, dense_kv = r.segment_kv[1], d.segment_kv[1]
+        # Layer 0 depends on position only: exact after alignment, never "corrected" away from it.
+        assert torch.allclose(corrected.keys[0], dense_kv.keys[0], atol=1e-4)
+        assert torch.allclose(corrected.values[0], dense_kv.values[0], atol=1e-5)
+        assert r.reused_tokens == r.segments[1].length and r.eligible_tokens == r.segments[1].length
+    figures = rt.summary()
+    assert figures["anchors"] > 0 and figures["anchor_bytes"] > 0
+
+
+def test_correction_beats_raw_reuse_against_dense():
+    rt, raw, dense = runtime("kvcmas"), runtime("fullshared"), runtime("nonshared")
+    warm(rt, rounds=3)
+    errors = {"kvcmas": [], "fullshared": []}
+    for seed in (11, 12):
+        query = text_of_length(rt.engine, 40, seed=seed)
+        want = chain(dense, query)
+        for name, r in (("kvcmas", rt), ("fullshared", raw)):
+            got = chain(r, query)
+            errors[name] += [kv_error(g.segment_kv[1], w.segment_kv[1]) for g, w in zip(got[1:], want[1:])]
+    assert sum(errors["kvcmas"]) < sum(errors["fullshared"])
+
+
+@pytest.mark.slow
+def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(gemma_engine):
+    """Real weights: the chain's later agents and the fan-in outputs are corrected, each from its own
+    source, and corrected shared KV is closer to dense prefill than raw reuse of the same source."""
+    from agentcache.tasks import FourAgentWorkflow, fact_problem
+
+    workflow = FourAgentWorkflow(role_tokens=6, final_tokens=6)
+    runs = {name: Runtime(gemma_engine.with_config(gemma_engine.config), strategy=name, config=NO_CHECK)
+            for name in ("kvcmas", "fullshared", "nonshared")}
+    for seed in (100, 101):
+        workflow.run(runs["kvcmas"].run, fact_problem(seed, records=5))
+    problem = fact_problem(7, records=5)
+    got = workflow.run(runs["kvcmas"].run, problem)
+    raw = workflow.run(runs["fullshared"].run, problem)
+    dense = {(r.agent, tuple(r.prompt_ids)): r for r in workflow.run(runs["nonshared"].run, problem)}
+    final = got[-1]
+    assert [s.decision for s in final.segments if s.kind == "ph"] == ["corrected"] * 4
+    assert [s.source for s in final.segments if s.name.startswith("out:")] == ["retriever", "reader", "verifier"]
+    assert [r.segments[1].decision for r in got[:3]] == ["first", "corrected", "corrected"]
+    errors = {}
+    for name, results in (("kvcmas", got), ("fullshared", raw)):
+        errors[name] = [kv_error(r.segment_kv[1], dense[(r.agent, tuple(r.prompt_ids))].segment_kv[1])
+                        for r in results[1:3] if (r.agent, tuple(r.prompt_ids)) in dense]
+    assert errors["kvcmas"] and len(errors["kvcmas"]) == len(errors["fullshared"])
+    assert sum(errors["kvcmas"]) < sum(errors["fullshared"])
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
+    rt = runtime(name)
+    for seed in range(3):
+        results = chain(rt, text_of_length(rt.engine, 30, seed=seed), SamplingParams(max_tokens=3))
+        assert all(r.ttft_s > 0 and r.prompt_tokens > 0 for r in results)
+    figures = rt.summary()
+    assert figures["strategy"] == name and figures["calls"] == 9
+    decisions = figures["ph_decisions"]
+    if name == "nonshared":
+        assert decisions == {"off": 9}
+    elif name == "fullshared":
+        assert decisions == {"first": 3, "reused": 6} and figures["reuse_ratio"] == 1.0
+    elif STRATEGIES[name].chained:
+        assert decisions.get("first") == 3 and decisions.get("corrected", 0) >= 2
+    else:  # non-chained corrects the first agent too, from a context-free reference
+        assert "first" not in decisions and decisions.get("corrected", 0) >= 2
+        assert any(e.agent == "<reference>" for e in rt.corrector.store._entries.values())
+    path = rt.export_json(tmp_path / "run.json")
+    payload = json.loads(path.read_text())
+    assert payload["summary"]["calls"] == 9 and len(payload["calls"]) == 9
+
+
+def test_the_entropy_gate_decides_with_recorded_entropies():
+    strict, open_ = runtime("kvcmas", tau=0.0), runtime("kvcmas", tau=1.0)
+    for rt in (strict, open_):
+        warm(rt, rounds=2)
+    query = text_of_length(strict.engine, 40, seed=31)
+    for rt, expected in ((strict, "fallback"), (open_, "corrected")):
+        segs = [r.segments[1] for r in chain(rt, query)[1:]]
+        assert all(s.decision == expected and 0.0 <= s.entropy <= 1.0 for s in segs)
+    assert strict.summary()["fallback_reasons"]["gate"] == 2
+
+
+def test_own_lineage_prefix_hit_on_a_second_turn():
+    rt = runtime("kvcmas")
+    warm(rt)
+    query = text_of_length(rt.engine, 40, seed=9)
+    chain(rt, query)
+    again = rt.run(role_call("local", query), ONE)  # local's own corrected blocks are its context
+    assert again.cached_tokens > 0 and again.segments[1].decision in ("prefix_hit", "corrected")
+
+
+def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
+    rt, dense = runtime("kvcmas"), runtime("nonshared")
+    warm(rt)
+    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    with torch.inference_mode():  # anchors are built under inference mode
+        for corr in anchor.corrections.values():
+            corr.values.a.fill_(float("nan"))
+    query = text_of_length(rt.engine, 40, seed=21)
+    got, want = chain(rt, query), chain(dense, query)
+    seg = got[1].segments[1]
+    assert (seg.decision, seg.reason) == ("fallback", "nonfinite")
+    assert kv_error(got[1].segment_kv[1], want[1].segment_kv[1]) < 1e-5  # dense, exact
+    assert rt.corrector.bank.dropped_invalid >= 1
+    assert rt.summary()["faults"]["nonfinite"] >= 1
+
+
+def test_mismatched_anchor_shape_falls_back():
+    rt = runtime("kvcmas")
+    warm(rt)
+    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    anchor.keys = type(anchor.keys)(anchor.keys.a[:-1], anchor.keys.b[:-1])  # one layer short
+    result = chain(rt, text_of_length(rt.engine, 40, seed=22))
+    reasons = {s.reason for r in result for s in r.segments if s.reason}
+    assert "bad_anchor" in reasons
+
+
+def test_missing_source_and_unknown_slot_prefill_densely():
+    rt = runtime("kvcmas", store_bytes=1)  # no materialization fits: every source is missing
+    results = chain(rt, text_of_length(rt.engine, 30))
+    assert [r.segments[1].decision for r in results] == ["first"] * 3
+    nonchained = runtime("kvcmas_nonchained")
+    call = AgentCall(agent="planner", segments=(Segment.pf("x\n"), Segment.ph("out:nobody", "some text here")))
+    seg = nonchained.run(call, ONE).segments[1]
+    assert (seg.decision, seg.reason) == ("fallback", "no_source")
+
+
+def test_anchor_budget_is_respected_in_a_run():
+    rt = runtime("kvcmas_fullrank", anchor_bytes=300_000)
+    warm(rt, rounds=4)
+    assert 0 < rt.corrector.bank.nbytes <= 300_000
+
+
+def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
+    rt = runtime("fullshared")
+    chain(rt, text_of_length(rt.engine, 30, seed=5))
+    entry = next(iter(rt.corrector.store._entries.values()))
+    bad = entry.kv.values.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    object.__setattr__(entry.kv, "values", bad)
+    result = rt.run(role_call("critic", text_of_length(rt.engine, 30, seed=5)), ONE)
+    assert result.segments[1].reason == "engine_rejected"
+    assert result.reused_tokens == 0
+
+
+def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():
+    rt = runtime("kvcmas")
+    with pytest.raises(ValueError, match="slot"):
+        Segment(kind="ph", text="hello")
+    with pytest.raises(ValueError, match="empty"):
+        Segment.pf("")
+    with pytest.raises(ValueError, match="agent name"):
+        AgentCall(agent=" ", segments=(Segment.pf("x"),))
+    with pytest.raises(TypeError, match="AgentCall"):
+        rt.run("not a call")
+    with pytest.raises(PlanError, match="no output"):
+        rt.output_segment("ghost")
+    with pytest.raises(ContextLengthError):
+        rt.run(AgentCall(agent="planner", segments=(Segment.ph("query", "x" * (rt.engine.max_context + 1)),)), ONE)
+    assert chain(rt, text_of_length(rt.engine, 20))[0].text is not None
+
+
+def test_strategy_values_are_checked():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        Runtime(make_engine("tiny-llama"), strategy="magic", config=NO_CHECK)
+    with pytest.raises(ValueError, match="tau"):
+        STRATEGIES["kvcmas"].replace(tau=2.0)
+    with pytest.raises(ValueError, match="rank"):
+        STRATEGIES["kvcmas"].replace(base_rank=0)
+
+
+def test_runtime_refuses_correction_on_a_model_that_fails_the_check():
+    failed = CheckReport("tiny-llama", False, "correction makes shared KV worse", 1e-7, 0.5, 0.1, 4)
+    rt = Runtime(make_engine("tiny-llama"), strategy="kvcmas", check=failed)
+    assert rt.strategy.name == "nonshared" and "worse" in rt.refusal
+    assert rt.summary()["requested_strategy"] == "kvcmas"
+    assert chain(rt, text_of_length(rt.engine, 20))[1].segments[1].decision == "off"
