@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
             runtime = runtimes[name]
             pairs = []
 
-            def execute(call, sampling, runtime=runtime, pairs=pairs):
+            def execute(call, sampling, runtime=runtime, pairs=pairs, warm=warm, name=name):
                 result = runtime.run(call, sampling)
                 if not warm:
                     if name == "nonshared":

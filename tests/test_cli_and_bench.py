@@ -63,7 +63,7 @@ def test_fidelity_bench_quick_reports_every_strategy():
     assert result["model"] == "gemma3-270m"
     names = {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"}
     assert set(result["strategies"]) == names
-    for name, row in result["strategies"].items():
+    for row in result["strategies"].values():
         assert {"kv_rel_error", "token_agreement", "accuracy", "reuse_ratio"} <= row.keys()
     nonshared = result["strategies"]["nonshared"]
     assert nonshared["kv_rel_error"] < 1e-4 and nonshared["token_agreement"] == 1.0
