@@ -31,7 +31,7 @@ def kv_error(approx: SegmentKV, exact: SegmentKV) -> float:
 class LayerErrors:
     keys: list[float]  # per layer
     values: list[float]
-    key_total: float  # over all layers
+    key_total: float  # over layers 1..
     value_total: float
 
     @property
@@ -43,12 +43,13 @@ def _stack(kvs: Sequence[SegmentKV], part: str) -> torch.Tensor:
     return torch.cat([getattr(kv, part) for kv in kvs], dim=2)  # (L, H, T, D)
 
 
-def ph_layer_errors(call: CallResult, dense: CallResult) -> LayerErrors | None:
+def ph_layer_errors(call: CallResult, dense: CallResult, reused_only: bool = False) -> LayerErrors | None:
     """Relative error of the call's shared (PH) segments' KV against the dense run of the same
-    prompt, per layer and overall; None when the call has no PH segment."""
+    prompt, per layer (layer 0 included) and over layers 1.. (layer 0 is exact after alignment);
+    `reused_only` keeps the segments served from reused KV. None when no segment qualifies."""
     if call.prompt_ids != dense.prompt_ids:
         raise ValueError("compare a call only with the dense run of the same prompt")
-    picks = [i for i, s in enumerate(call.segments) if s.kind == "ph"]
+    picks = [i for i, s in enumerate(call.segments) if s.kind == "ph" and (s.injected_tokens or not reused_only)]
     if not picks:
         return None
     got = {part: _stack([call.segment_kv[i] for i in picks], part) for part in ("keys", "values")}
@@ -58,7 +59,8 @@ def ph_layer_errors(call: CallResult, dense: CallResult) -> LayerErrors | None:
         for part in got
     }
     return LayerErrors(per_layer["keys"], per_layer["values"],
-                       relative_error(got["keys"], want["keys"]), relative_error(got["values"], want["values"]))
+                       relative_error(got["keys"][1:], want["keys"][1:]),
+                       relative_error(got["values"][1:], want["values"][1:]))
 
 
 def prefix_agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:

@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -81,6 +82,7 @@ class Runtime:
         self.corrector = Corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
         self.results: list[CallResult] = []
         self._last_output: dict[str, str] = {}
+        self._id = uuid.uuid4().hex[:12]
         self._lock = threading.RLock()
 
     def _vet(self, strategy: Strategy) -> Strategy:
@@ -119,79 +121,88 @@ class Runtime:
             raise PlanError(f"agent {agent!r} has produced no output yet; known: {sorted(self._last_output)}")
         return Segment.ph(output_slot(agent), self._last_output[agent])
 
-    def _tokenize(self, call: AgentCall) -> list[list[int]]:
-        ids = []
+    def _lineage(self, call: AgentCall) -> str:
+        """Salt for the approximate KV a call caches: only this agent's later calls in the same
+        runtime and session may be served from it."""
+        return f"{self._id}/{call.session or '-'}/{call.agent}"
+
+    def _tokenize(self, call: AgentCall) -> tuple[list[Segment], list[list[int]]]:
+        """The call's segments and their tokens. The prompt starts with BOS: in the first segment
+        when it is PF, as a PF segment of its own before a leading PH (whose tokens must match
+        other agents' copies of the same content)."""
+        segments, ids = list(call.segments), []
         bos = self.engine.bos_token_id
-        for i, seg in enumerate(call.segments):
-            if seg.token_ids is not None:
-                tokens = list(seg.token_ids)
-                if i == 0 and bos is not None and tokens[0] != bos:
-                    tokens.insert(0, bos)
-            else:
-                tokens = self.engine.tokenize(seg.text, bos=(i == 0))
+        for i, seg in enumerate(segments):
+            tokens = list(seg.token_ids) if seg.token_ids is not None else self.engine.tokenize(seg.text)
             if not tokens:
                 raise PlanError(f"segment {i} ({seg.name}) of agent {call.agent!r} tokenizes to nothing")
             ids.append(tokens)
-        return ids
+        if bos is not None and ids[0][0] != bos:
+            if segments[0].kind == "pf":
+                ids[0].insert(0, bos)
+            else:
+                segments.insert(0, Segment(kind="pf", token_ids=(bos,)))
+                ids.insert(0, [bos])
+        return segments, ids
 
     def _run(self, call: AgentCall, sampling: SamplingParams) -> CallResult:
         started = time.perf_counter()
         agent = call.agent
-        token_lists = self._tokenize(call)
+        lineage = self._lineage(call)
+        segments, token_lists = self._tokenize(call)
         prompt = [t for tokens in token_lists for t in tokens]
-        hit = self.engine.cached_prefix_length(prompt, lineage=agent)
+        hit = self.engine.cached_prefix_length(prompt, lineage=lineage)
 
         decisions: dict[int, PHDecision] = {}
         pieces: list[_Piece] = []
         leading = True  # still inside the run of segments the prefix cache is looked up for
         pos = 0
-        for index, (seg, tokens) in enumerate(zip(call.segments, token_lists)):
+        for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
             end = pos + len(tokens)
             if seg.kind == "ph" and end > hit:
-                decision = self.corrector.plan(agent, seg.slot, tokens)
+                decision = self.corrector.plan(agent, seg.slot, tokens, seg.source)
+                decision.prefix_tokens = skip = max(0, hit - pos)  # leading tokens the prefix cache serves
                 decisions[index] = decision
-                if decision.reused:
+                if decision.reused and decision.covered > skip:
                     cover = decision.covered
-                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, decision.inject)))
+                    if skip:
+                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:skip], Step.PREFIX)))
+                    kv = decision.inject.slice(skip, cover)  # canonical start `skip`; the engine re-aligns it
+                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[skip:cover], Step.INJECT, kv)))
                     if cover < len(tokens):
                         pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.DENSE)))
                     leading = False
                     pos = end
                     continue
-            step = Step.PREFIX if leading else Step.DENSE
-            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, step)))
+                if decision.reused:  # the prefix cache already serves what the source covers
+                    decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX if leading else Step.DENSE)))
             pos = end
-        planned = time.perf_counter()
 
-        request = ExecRequest([p.plan for p in pieces], sampling, lineage=agent, owner=agent)
         try:
-            result = self.engine.execute(request)
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent))
         except (KVShapeError, RopeAlignmentError) as exc:
             if not any(p.plan.step is Step.INJECT for p in pieces):
                 raise
-            # The engine refused injected KV: never serve it, prefill everything instead.
+            # The engine refused reused KV: never serve it, prefill everything instead.
             log.warning("engine refused reused KV for agent %r (%s); prefilling densely", agent, exc)
             for index, decision in decisions.items():
                 if decision.reused:
-                    self.corrector.fallbacks["engine_rejected"] += 1
                     decisions[index] = PHDecision("fallback", reason="engine_rejected")
-            pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(call.segments, token_lists))]
-            planned = time.perf_counter()
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=agent, owner=agent))
-        ttft = (planned - started) + result.ttft_s
+            pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent))
+        first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
+        ttft = first_token - started
 
-        kvs = [_joined([o.kv for p, o in zip(pieces, result.segments) if p.index == i]) for i in range(len(call.segments))]
-        reports = self._commit(call, token_lists, pieces, decisions, result, kvs)
+        kvs = [_joined([o.kv for p, o in zip(pieces, result.segments) if p.index == i]) for i in range(len(segments))]
+        reports = self._commit(agent, segments, token_lists, pieces, decisions, result, kvs)
         self._last_output[agent] = result.text
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
             ttft_s=ttft, total_s=time.perf_counter() - started, prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
-            eligible_tokens=sum(
-                r.length - r.cached_tokens for r in reports
-                if r.kind == "ph" and r.decision in ("corrected", "reused", "fallback")
-            ),
+            eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
             reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
             segments=reports, engine_result=result, segment_kv=kvs, prompt_ids=prompt,
         )
@@ -200,29 +211,27 @@ class Runtime:
 
     def _commit(
         self,
-        call: AgentCall,
+        agent: str,
+        segments: list[Segment],
         token_lists: list[list[int]],
         pieces: list[_Piece],
         decisions: dict[int, PHDecision],
         result: ExecResult,
         kvs: list[SegmentKV | None],
     ) -> list[SegmentReport]:
-        """Record materializations and anchors (after the first token), and report each segment."""
+        """After the first token: record materializations and anchors, and report each segment."""
         reports = []
-        for index, (seg, tokens) in enumerate(zip(call.segments, token_lists)):
+        for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
             outcomes = [o for p, o in zip(pieces, result.segments) if p.index == index]
             cached = sum(o.cached_tokens for o in outcomes)
             computed = sum(o.computed_tokens for o in outcomes)
             injected = sum(o.injected_tokens for o in outcomes)
+            made = "prefix_hit" if cached == len(tokens) else "dense"
             decision = decisions.get(index)
-            if decision is not None:
-                label = decision.decision
-            else:
-                label = "prefix_hit" if cached == len(tokens) else "dense"
+            label = decision.decision if decision is not None else made
             if seg.kind == "ph":
-                kv = kvs[index]
-                how = label if decision is not None and decision.reused else ("prefix_hit" if cached == len(tokens) else "dense")
-                self.corrector.commit(call.agent, seg.slot, tokens, decision or PHDecision(label), kv, how)
+                self.corrector.commit(agent, seg.slot, tokens, decision or PHDecision(made), kvs[index],
+                                      how=label if decision is not None and decision.reused else made)
             reports.append(SegmentReport(
                 name=seg.name, kind=seg.kind, start=outcomes[0].start, length=len(tokens), decision=label,
                 reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
@@ -230,7 +239,7 @@ class Runtime:
                 source=decision.source.agent if decision and decision.source else None,
             ))
         fed = result.token_ids[:-1]
-        self.corrector.record_output(call.agent, fed, result.generated_kv)
+        self.corrector.record_output(agent, fed, result.generated_kv)
         return reports
 
     # --- figures -------------------------------------------------------------------------

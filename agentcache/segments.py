@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot"]
+__all__ = ["Segment", "AgentCall", "output_slot"]
 
 
 def output_slot(agent: str) -> str:
@@ -23,6 +23,7 @@ class Segment(BaseModel):
     text: str | None = None
     token_ids: tuple[int, ...] | None = None  # given instead of text, already tokenized
     slot: str | None = None
+    source: str | None = None  # PH only: read the materialization this agent made (a fan-out edge)
 
     @model_validator(mode="after")
     def _check(self) -> "Segment":
@@ -34,8 +35,8 @@ class Segment(BaseModel):
             raise ValueError(f"{self.kind.upper()} segment has no token ids; a segment must have content")
         if self.kind == "ph" and not self.slot:
             raise ValueError("a PH (shared) segment needs a slot name, e.g. 'query' or 'out:<agent>'")
-        if self.kind == "pf" and self.slot is not None:
-            raise ValueError("a PF (agent-specific) segment has no slot; use kind='ph' for shared content")
+        if self.kind == "pf" and (self.slot is not None or self.source is not None):
+            raise ValueError("a PF (agent-specific) segment has no slot or source; use kind='ph' for shared content")
         return self
 
     @classmethod
@@ -43,8 +44,10 @@ class Segment(BaseModel):
         return cls(kind="pf", text=text)
 
     @classmethod
-    def ph(cls, slot: str, text: str) -> "Segment":
-        return cls(kind="ph", slot=slot, text=text)
+    def ph(cls, slot: str, text: str, source: str | None = None) -> "Segment":
+        """Shared content. `source` names the agent whose cache of it to start from (the producer of a
+        fan-out); by default the latest agent that materialized it (the previous hop of a chain)."""
+        return cls(kind="ph", slot=slot, text=text, source=source)
 
     @property
     def name(self) -> str:
@@ -58,6 +61,7 @@ class AgentCall(BaseModel):
 
     agent: str
     segments: tuple[Segment, ...]
+    session: str | None = None  # calls of one session share the approximate KV of their agents
 
     @field_validator("agent")
     @classmethod
@@ -74,12 +78,3 @@ class AgentCall(BaseModel):
         if not value:
             raise ValueError("an agent call needs at least one segment")
         return value
-
-
-class DispatchEvent(BaseModel):
-    """Which agent runs now (from a framework adapter); feeds eviction and warm-up later."""
-
-    model_config = ConfigDict(frozen=True)
-
-    agent: str
-    session: str | None = None

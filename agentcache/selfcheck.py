@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
-from agentcache.fidelity import kv_error, relative_error
+from agentcache.fidelity import relative_error
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 
 __all__ = ["CheckReport", "check_model", "ROPE_TOLERANCE"]
@@ -94,14 +94,17 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
                 continue
             got_kv, want_kv = got.segment_kv[1], want.segment_kv[1]
             source_kv = engine.realign(source[0].kv, want_kv.start)
-            corrected.append(kv_error(got_kv, want_kv))
-            raw.append(kv_error(source_kv, want_kv))
+            for errors, approx in ((corrected, got_kv), (raw, source_kv)):
+                errors.append([relative_error(getattr(approx, part)[1:], getattr(want_kv, part)[1:])
+                               for part in ("keys", "values")])
     if not corrected:
         return CheckReport(name, False, "the probe workflow produced no corrections to measure", rope, None, None, 0)
-    mean_corrected = sum(corrected) / len(corrected)
-    mean_raw = sum(raw) / len(raw)
-    passed = mean_corrected <= mean_raw
-    reason = (f"correction brings shared KV to {mean_corrected:.3f} relative error (raw reuse {mean_raw:.3f})"
-              if passed else
-              f"correction makes shared KV worse than raw reuse ({mean_corrected:.3f} vs {mean_raw:.3f})")
+    k_fixed, v_fixed = (sum(e[i] for e in corrected) / len(corrected) for i in (0, 1))
+    k_raw, v_raw = (sum(e[i] for e in raw) / len(raw) for i in (0, 1))
+    mean_corrected, mean_raw = (k_fixed + v_fixed) / 2, (k_raw + v_raw) / 2
+    passed = k_fixed <= k_raw and v_fixed <= v_raw  # keys and values each: a key bug must not hide behind V
+    reason = (f"correction brings shared KV to {k_fixed:.3f} (K) / {v_fixed:.3f} (V) relative error, "
+              f"raw reuse {k_raw:.3f} / {v_raw:.3f}")
+    if not passed:
+        reason = "correction makes shared KV worse than raw reuse: " + reason
     return CheckReport(name, passed, reason, rope, mean_corrected, mean_raw, len(corrected))

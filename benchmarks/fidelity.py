@@ -7,7 +7,8 @@ strategy in turn; the first `--warmup` problems only fill the anchor pools and a
 
 Per strategy, over the scored calls:
 - `kv_rel_error`: relative Frobenius error of the call's shared-segment KV against dense prefill
-  of the same prompt (NonShared), mean of K and V; also per layer and per agent;
+  of the same prompt (NonShared), layers 1.. (layer 0 is exact after alignment), mean of K and V;
+  also per layer, per agent, and over reused segments only (`reused_kv_rel_error`);
 - `token_agreement`: fraction of the dense greedy continuation of the same prompt reproduced
   before the first divergence; `teacher_forced_top1` and `teacher_forced_kl` along it;
 - `accuracy`: the final answer is the right number; `final_agreement`: it equals NonShared's;
@@ -56,6 +57,9 @@ def run(args: argparse.Namespace) -> dict:
     engine = EmbeddedEngine(args.model)
     check = None if args.quick else check_model(engine.with_config(EngineConfig()))
     strategies = {name: STRATEGIES[name] for name in ORDER}
+    for rank in args.ranks:  # rank ablation: KVCMAS with other ranks for base caches and corrections
+        strategies[f"kvcmas_r{rank}"] = STRATEGIES["kvcmas"].replace(name=f"kvcmas_r{rank}", base_rank=rank, delta_rank=rank)
+    order = list(strategies)
     if args.tau is not None:
         strategies = {name: s.replace(tau=args.tau) for name, s in strategies.items()}
     runtimes = {
@@ -82,9 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     for index in range(args.warmup + args.problems):
         warm = index < args.warmup
         problem = make(10_000 + index if warm else index)
-        for name in ORDER:
-            if warm and not strategies[name].correct:
-                continue  # warm-up fills anchor pools; strategies without them have nothing to fill
+        for name in order:
             runtime = runtimes[name]
             pairs = []
 
@@ -103,9 +105,10 @@ def run(args: argparse.Namespace) -> dict:
                 correct[name] += workflow.correct(results, problem)
 
     report = {}
-    for name in ORDER:
+    for name in order:
         pairs = scored[name]
         errors = [ph_layer_errors(call, dense) for call, dense in pairs]
+        reused_errors = [e for e in (ph_layer_errors(c, d, reused_only=True) for c, d in pairs) if e is not None]
         per_agent = defaultdict(list)
         for (call, _), err in zip(pairs, errors):
             per_agent[call.agent].append(err.mean)
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> dict:
             "kv_rel_error": _mean([e.mean for e in errors]),
             "k_rel_error": _mean([e.key_total for e in errors]),
             "v_rel_error": _mean([e.value_total for e in errors]),
+            "reused_kv_rel_error": _mean([e.mean for e in reused_errors]),  # only segments served from reuse
             "per_agent_kv_rel_error": {agent: _mean(v) for agent, v in per_agent.items()},
             "per_layer_k_rel_error": [_mean([e.keys[i] for e in errors]) for i in range(num_layers)],
             "per_layer_v_rel_error": [_mean([e.values[i] for e in errors]) for i in range(num_layers)],
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=None, help="records per fact-retrieval query")
     parser.add_argument("--role-tokens", type=int, default=None)
     parser.add_argument("--final-tokens", type=int, default=None)
+    parser.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                        help="comma-separated extra KVCMAS ranks to ablate, e.g. 8,16,64")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     defaults = dict(problems=1, warmup=2, records=5, role_tokens=3, final_tokens=6) if args.quick else \

@@ -89,8 +89,8 @@ def test_store_keeps_the_newest_materialization_and_its_budget():
     one = _kv(6).nbytes
     store = SegmentStore(byte_budget=2 * one)
     store.put("query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "dense")
-    store.put("query", "a1", [1, 2, 3, 4, 5, 6], _kv(6), "corrected")
-    assert len(store) == 1 and store.find("query", [1, 2, 3, 4, 5, 6])[0].agent == "a1"
+    store.put("query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "corrected")  # replaces a0's older one
+    assert len(store) == 1 and store.find("query", [1, 2, 3, 4, 5, 6])[0].how == "corrected"
     store.put("out:a0", "a0", [7, 8, 9, 10, 11, 12], _kv(6), "decoded")
     store.put("out:a1", "a1", [7, 8, 9, 10, 11, 13], _kv(6), "decoded")
     assert store.nbytes <= store.byte_budget and store.evicted == 1

@@ -102,3 +102,13 @@ def test_factors_detect_non_finite_values():
     bad = Factors(good.a.clone(), good.b.clone())
     bad.b[0, 0, 0] = float("nan")
     assert not bad.is_finite()
+
+
+def test_base_layers_pair_with_source_layers_through_the_offset():
+    source = torch.randn(2, 5, 3)  # layers 1..2 of a 3-layer model
+    exact = torch.cat([torch.full((1, 5, 3), 99.0), source])  # base layer 0 differs wildly, 1..2 match
+    near = factorize(exact, None)
+    far = factorize(exact + 10.0, None)
+    d_near, d_far = factorize(torch.ones(2, 5, 3), None), factorize(-torch.ones(2, 5, 3), None)
+    correction, _ = interpolated_correction(source, [near, far], [d_near, d_far], 1.0, base_layer_offset=1)
+    assert torch.allclose(correction, torch.ones(2, 5, 3), atol=1e-4)

@@ -58,8 +58,10 @@ def test_nonshared_is_dense_prefill_with_prefix_caching():
 def test_kvcmas_exact_first_agent_then_corrected_chain():
     rt, dense = runtime("kvcmas"), runtime("nonshared")
     warm(rt)
+    inserted = rt.corrector.bank.inserted
     query = text_of_length(rt.engine, 40, seed=7)
     got = chain(rt, query)
+    assert rt.corrector.bank.inserted == inserted  # accepted corrections never become anchors
     want = chain(dense, query)
     assert [r.segments[1].decision for r in got] == ["first", "corrected", "corrected"]
     assert [r.segments[1].source for r in got] == [None, "planner", "local"]  # each edge reads the previous agent
@@ -72,6 +74,25 @@ def test_kvcmas_exact_first_agent_then_corrected_chain():
         assert r.reused_tokens == r.segments[1].length and r.eligible_tokens == r.segments[1].length
     figures = rt.summary()
     assert figures["anchors"] > 0 and figures["anchor_bytes"] > 0
+
+
+def test_fan_out_reads_the_producer_when_the_source_is_named():
+    rt = runtime("kvcmas")
+    ROLES_FAN = {"writer": "You write.\n", "editor": "You edit.\n", "checker": "You check facts.\n"}
+
+    def fan_out(query):
+        rt.run(role_call("planner", query), ONE)
+        return [rt.run(AgentCall(agent=agent, segments=(
+            Segment.pf(system), Segment.ph("query", query, source="planner"), Segment.pf("\nNotes:"))), ONE)
+            for agent, system in ROLES_FAN.items()]
+
+    for seed in range(2):
+        fan_out(text_of_length(rt.engine, 40, seed=400 + seed))
+    branches = fan_out(text_of_length(rt.engine, 40, seed=500))
+    assert [r.segments[1].source for r in branches] == ["planner"] * 3
+    assert [r.segments[1].decision for r in branches] == ["corrected"] * 3
+    with pytest.raises(ValueError, match="source"):
+        Segment(kind="pf", text="x", source="planner")
 
 
 def test_correction_beats_raw_reuse_against_dense():
@@ -131,7 +152,7 @@ def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
         assert decisions.get("first") == 3 and decisions.get("corrected", 0) >= 2
     else:  # non-chained corrects the first agent too, from a context-free reference
         assert "first" not in decisions and decisions.get("corrected", 0) >= 2
-        assert any(e.agent == "<reference>" for e in rt.corrector.store._entries.values())
+        assert any(e.agent == "<reference>" for e in rt.corrector.store)
     path = rt.export_json(tmp_path / "run.json")
     payload = json.loads(path.read_text())
     assert payload["summary"]["calls"] == 9 and len(payload["calls"]) == 9
@@ -183,6 +204,60 @@ def test_mismatched_anchor_shape_falls_back():
     assert "bad_anchor" in reasons
 
 
+def test_mis_ranked_anchor_falls_back_instead_of_crashing():
+    rt = runtime("kvcmas")
+    warm(rt)
+    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    anchor.values = type(anchor.values)(anchor.values.a, anchor.values.b[:, :-1])  # b has one rank row fewer
+    results = chain(rt, text_of_length(rt.engine, 40, seed=23))
+    assert "bad_anchor" in {s.reason for r in results for s in r.segments}
+    assert anchor.source_id not in rt.corrector.bank.pool("query").anchors
+
+
+def test_corrected_blocks_stay_in_their_lineage():
+    """A corrected segment is cached only for the same agent, runtime and session: another runtime
+    on the same engine, or another session, gets exact blocks only and dense-exact KV."""
+    rt = runtime("kvcmas")
+    warm(rt)
+    query = text_of_length(rt.engine, 40, seed=8)
+    got = chain(rt, query)
+    assert got[1].segments[1].decision == "corrected"
+    sys_blocks = (len(rt.engine.tokenize(ROLES["local"], bos=True)) // rt.engine.block_size) * rt.engine.block_size
+    same = rt.run(role_call("local", query), ONE)
+    assert same.cached_tokens > sys_blocks  # its own corrected context
+    other_session = rt.run(AgentCall(agent="local", session="s2", segments=role_call("local", query).segments), ONE)
+    assert other_session.cached_tokens == sys_blocks
+    # Another runtime on the same engine: whatever it is served must be exact.
+    plain = Runtime(rt.engine, strategy="nonshared", config=NO_CHECK).run(role_call("local", query), ONE)
+    dense = runtime("nonshared").run(role_call("local", query), ONE)
+    assert kv_error(plain.segment_kv[1], dense.segment_kv[1]) < 1e-5
+
+
+def test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost():
+    rt = runtime("kvcmas")
+    warm(rt)
+    query = text_of_length(rt.engine, 40, seed=9)
+    chain(rt, query)
+    inserted = rt.corrector.bank.inserted
+    # local again, same query, other glue: its own lineage serves the system prompt and most of the query
+    again = rt.run(AgentCall(agent="local", segments=(
+        Segment.pf(ROLES["local"]), Segment.ph("query", query), Segment.pf("\nSomething else:"))), ONE)
+    seg = again.segments[1]
+    assert seg.cached_tokens > 0
+    assert seg.cached_tokens + seg.injected_tokens + seg.computed_tokens == seg.length
+    assert seg.decision in ("corrected", "fallback") and rt.corrector.bank.inserted == inserted
+
+
+def test_a_leading_shared_segment_gets_its_own_bos():
+    rt = runtime("fullshared")
+    query = text_of_length(rt.engine, 30, seed=10)
+    first = rt.run(AgentCall(agent="a", segments=(Segment.ph("query", query), Segment.pf("\nA:"))), ONE)
+    second = rt.run(AgentCall(agent="b", segments=(Segment.pf("You are b.\n"), Segment.ph("query", query))), ONE)
+    assert [s.kind for s in first.segments] == ["pf", "ph", "pf"] and first.segments[0].length == 1
+    assert first.prompt_ids[0] == rt.engine.bos_token_id
+    assert second.segments[1].decision == "reused" and second.segments[1].source == "a"
+
+
 def test_missing_source_and_unknown_slot_prefill_densely():
     rt = runtime("kvcmas", store_bytes=1)  # no materialization fits: every source is missing
     results = chain(rt, text_of_length(rt.engine, 30))
@@ -199,16 +274,40 @@ def test_anchor_budget_is_respected_in_a_run():
     assert 0 < rt.corrector.bank.nbytes <= 300_000
 
 
+def test_corrupted_source_cache_is_removed_and_prefilled():
+    rt, dense = runtime("fullshared"), runtime("nonshared")
+    query = text_of_length(rt.engine, 30, seed=5)
+    chain(rt, query)
+    for entry in rt.corrector.store:  # corrupt every source behind the runtime's back
+        bad = entry.kv.values.clone()
+        bad[0, 0, 0, 0] = float("nan")
+        object.__setattr__(entry.kv, "values", bad)
+    got = rt.run(role_call("critic", query), ONE)
+    want = dense.run(role_call("critic", query), ONE)
+    assert (got.segments[1].decision, got.segments[1].reason) == ("fallback", "bad_source")
+    assert got.reused_tokens == 0 and got.token_ids == want.token_ids
+    newest, _ = rt.corrector.store.find("query", rt.engine.tokenize(query))
+    assert newest.agent == "critic" and newest.how == "dense"  # the bad source is gone, the dense copy replaces it
+    assert torch.isfinite(newest.kv.values).all()
+
+
 def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
     rt = runtime("fullshared")
-    chain(rt, text_of_length(rt.engine, 30, seed=5))
-    entry = next(iter(rt.corrector.store._entries.values()))
-    bad = entry.kv.values.clone()
-    bad[0, 0, 0, 0] = float("nan")
-    object.__setattr__(entry.kv, "values", bad)
-    result = rt.run(role_call("critic", text_of_length(rt.engine, 30, seed=5)), ONE)
-    assert result.segments[1].reason == "engine_rejected"
-    assert result.reused_tokens == 0
+    query = text_of_length(rt.engine, 30, seed=6)
+    chain(rt, query)
+    plan = rt.corrector.plan
+
+    def wrong_heads(*args, **kwargs):  # hand the engine KV with a head too many
+        decision = plan(*args, **kwargs)
+        if decision.inject is not None:
+            kv = decision.inject
+            decision.inject = type(kv)(torch.cat([kv.keys, kv.keys], 1), torch.cat([kv.values, kv.values], 1), kv.start)
+        return decision
+
+    monkeypatch.setattr(rt.corrector, "plan", wrong_heads)
+    result = rt.run(role_call("critic", query), ONE)
+    assert (result.segments[1].decision, result.segments[1].reason) == ("fallback", "engine_rejected")
+    assert result.reused_tokens == 0 and rt.summary()["faults"]["engine_rejected"] == 1
 
 
 def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():

@@ -53,14 +53,9 @@ class Anchor:
 
     def fits(self, num_layers: int, features: int) -> bool:
         """Shapes agree with the model and with each other (cheap: checked on every use)."""
-        parts = [self.keys, self.values] + [f for c in self.corrections.values() for f in (c.keys, c.values)]
-        for part in parts:
-            if part.features != features or part.length != self.length:
-                return False
-        if self.keys.num_layers != num_layers or self.values.num_layers != num_layers:
-            return False
-        return all(c.keys.num_layers == num_layers - 1 and c.values.num_layers == num_layers - 1
-                   for c in self.corrections.values())
+        expected = [(self.keys, num_layers), (self.values, num_layers)] + [
+            (f, num_layers - 1) for c in self.corrections.values() for f in (c.keys, c.values)]
+        return all(part.has_shape(layers, self.length, features) for part, layers in expected)
 
     def is_finite(self) -> bool:
         """Every stored number is finite (checked when a correction comes out non-finite)."""

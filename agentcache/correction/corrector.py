@@ -4,7 +4,8 @@ Before a call, `plan` looks up the segment's source cache, re-aligns it to canon
 and either hands back KV to inject (corrected, or raw for FullShared) or asks for dense prefill.
 After the call, `commit` records what the segment became (the source of the next edge) and,
 after a dense fallback, inserts the observed correction Δ = C_dense − Align(C_source) as an
-anchor. Any fault (corrupt anchor, NaN, missing source) falls back to dense and is counted.
+anchor. Any fault (corrupt anchor or source, NaN, missing source) falls back to dense and is
+counted; a corrupt anchor or source is removed so that it stops poisoning later calls.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from agentcache.correction.anchors import AnchorBank, Correction
+from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
 from agentcache.correction.store import Materialization, SegmentStore, common_prefix
@@ -44,8 +45,9 @@ class PHDecision:
     covered: int = 0  # leading tokens served by `inject`
     inject: SegmentKV | None = None  # canonical positions (start 0); the engine re-aligns it
     entropy: float | None = None
-    anchors: int = 0  # compatible anchors the gate compared
-    plan_s: float = 0.0  # time spent here (counted in TTFT)
+    anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
+    prefix_tokens: int = 0  # leading tokens the call's prefix hit served (set by the runtime)
+    plan_s: float = 0.0  # time spent planning (inside TTFT)
 
     @property
     def reused(self) -> bool:
@@ -58,44 +60,55 @@ class Corrector:
         self.strategy = strategy
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
-        self.decisions: Counter[str] = Counter()
-        self.fallbacks: Counter[str] = Counter()
+        self.decisions: Counter[str] = Counter()  # what PH segments finally became
+        self.fallbacks: Counter[str] = Counter()  # why they fell back, and other faults
         self.anchor_build_s = 0.0
 
     # --- before the call -------------------------------------------------------------------
 
-    def plan(self, agent: str, slot: str, token_ids: Sequence[int]) -> PHDecision:
+    def plan(self, agent: str, slot: str, token_ids: Sequence[int], source: str | None = None) -> PHDecision:
+        """How `agent` should materialize this PH segment; `source` pins the edge's source agent."""
         started = time.perf_counter()
         try:
-            decision = self._plan(agent, slot, token_ids)
-        except AgentCacheError as exc:  # a fault must never serve a wrong cache: prefill instead
+            decision = self._plan(agent, slot, token_ids, source)
+        except (AgentCacheError, RuntimeError) as exc:  # never serve a cache a fault touched: prefill
             log.warning("slot %r for agent %r: %s; prefilling densely", slot, agent, exc)
             decision = PHDecision("fallback", reason="error")
         decision.plan_s = time.perf_counter() - started
-        self.decisions[decision.decision] += 1
-        if decision.reason:
-            self.fallbacks[decision.reason] += 1
         return decision
 
-    def _plan(self, agent: str, slot: str, token_ids: Sequence[int]) -> PHDecision:
+    def _plan(self, agent: str, slot: str, token_ids: Sequence[int], source_agent: str | None) -> PHDecision:
         if not self.strategy.reuse:
             return PHDecision("off")
-        found = self._source(slot, token_ids)
+        found = self._source(slot, token_ids, source_agent)
         if found is None:
-            if self.strategy.chained:
-                return PHDecision("first")
-            return PHDecision("fallback", reason="no_source")
+            return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
         if not self.engine.supports_realignment:
             return PHDecision("fallback", reason="not_realignable", source=source)
+        if not self._source_is_sound(source):
+            return PHDecision("fallback", reason="bad_source")
         aligned = self.engine.realign(source.kv.slice(0, shared), 0)
         if not self.strategy.correct:
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
         return self._correct(agent, slot, source, aligned)
 
-    def _source(self, slot: str, token_ids: Sequence[int]) -> tuple[Materialization, int] | None:
+    def _source_is_sound(self, source: Materialization) -> bool:
+        """The stored KV fits the model and is finite; otherwise it is removed from the store."""
+        kv = source.kv
+        try:
+            kv.check(self.engine.layout, len(source.token_ids), f"source cache {source.id}")
+            sound = bool(torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all())
+        except AgentCacheError:
+            sound = False
+        if not sound:
+            log.warning("removing source cache %s of slot %r: wrong shape or NaN/Inf", source.id, source.slot)
+            self.store.remove(source.id)
+        return sound
+
+    def _source(self, slot: str, token_ids: Sequence[int], agent: str | None) -> tuple[Materialization, int] | None:
         if self.strategy.chained:
-            return self.store.find(slot, token_ids)
+            return self.store.find(slot, token_ids, agent=agent)
         if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
             return self.store.find(slot, token_ids, agent=slot[4:])
         found = self.store.find(slot, token_ids, agent=REFERENCE)
@@ -117,62 +130,77 @@ class Corrector:
     def _correct(self, agent: str, slot: str, source: Materialization, aligned: SegmentKV) -> PHDecision:
         layout = self.engine.layout
         features = layout.num_kv_heads * layout.head_dim
-        pool = self.bank.pool(slot)
-        candidates = pool.candidates(source.agent, agent)
+        candidates = self.bank.pool(slot).candidates(source.agent, agent)
         for anchor in candidates:
             if not anchor.fits(layout.num_layers, features):
+                log.warning("dropping anchor %s of slot %r: its shapes do not fit %s", anchor.source_id, slot,
+                            self.engine.model_name)
                 self.bank.drop(slot, anchor)
                 return PHDecision("fallback", reason="bad_anchor", source=source)
-        single = len(candidates) == 1 and self.strategy.max_anchors == 1  # V=1 bypasses the gate
-        if len(candidates) < 2 and not single:
-            return PHDecision("fallback", reason="few_anchors", source=source, anchors=len(candidates))
         length = aligned.length
-        keys = as_rows(aligned.keys).float()  # (L, S, F)
-        values = as_rows(aligned.values).float()
-        entropy = None
-        if not single:
-            second_longest = sorted((a.length for a in candidates), reverse=True)[1]
-            k = min(length, second_longest)
+        if self.strategy.max_anchors == 1 and len(candidates) == 1:  # V = 1: the sole anchor, no gate
+            compatible, k, entropy = candidates, min(length, candidates[0].length), None
+        elif len(candidates) < 2:
+            return PHDecision("fallback", reason="few_anchors", source=source)
+        else:
+            # Compare over the longest prefix at least two anchors cover (App. A.3, Eq. 9-11).
+            k = min(length, sorted((a.length for a in candidates), reverse=True)[1])
             compatible = [a for a in candidates if a.length >= k]
-            weights = gate_weights(gate_distances(values, [a.values for a in compatible], k), self.strategy.temperature)
-            entropy = normalized_entropy(weights)
-            if entropy > self.strategy.tau:
-                return PHDecision("fallback", reason="gate", source=source, entropy=entropy, anchors=len(compatible))
+            values = as_rows(aligned.values[:, :, :k]).float()  # (L, k, F)
+            distances = gate_distances(values, [a.values for a in compatible], k)
+            if not bool(torch.isfinite(distances).all()):
+                self._drop_non_finite(slot, compatible)
+                return PHDecision("fallback", reason="nonfinite", source=source)
+            entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature))
+            if not entropy <= self.strategy.tau:
+                return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
         corrected = []
-        for rows, part in ((keys, "keys"), (values, "values")):
+        for part in ("keys", "values"):
+            rows = as_rows(getattr(aligned, part)).float()  # (L, S, F)
             delta, _ = interpolated_correction(
-                rows[1:],
-                [getattr(a, part) for a in candidates],
-                [getattr(a.corrections[agent], part) for a in candidates],
+                rows[1:, :k],  # rows past k stay the aligned source: no extrapolation past the anchors
+                [getattr(a, part) for a in compatible],
+                [getattr(a.corrections[agent], part) for a in compatible],
                 self.strategy.temperature,
                 base_layer_offset=1,
             )
-            out = rows.clone()
-            out[1:] += delta  # layer 0 depends on position only: exact after alignment
-            corrected.append(from_rows(out.to(layout.dtype), layout.num_kv_heads))
+            rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment
+            corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
         if not all(bool(torch.isfinite(t).all()) for t in corrected):
-            for anchor in candidates:  # find the corrupted anchors so they stop poisoning the slot
-                if not anchor.is_finite():
-                    self.bank.drop(slot, anchor)
+            self._drop_non_finite(slot, compatible)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
-        for anchor in candidates:
-            anchor.uses += 1
-        return PHDecision(
-            "corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
-            entropy=entropy, anchors=len(candidates),
-        )
+        return PHDecision("corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
+                          entropy=entropy, anchors=compatible)
+
+    def _drop_non_finite(self, slot: str, anchors: list[Anchor]) -> None:
+        for anchor in anchors:
+            if not anchor.is_finite():
+                log.warning("dropping anchor %s of slot %r: it holds NaN or Inf", anchor.source_id, slot)
+                self.bank.drop(slot, anchor)
 
     # --- after the call --------------------------------------------------------------------
 
     def commit(self, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
                kv: SegmentKV | None, how: str) -> None:
-        """Record the segment's materialization `kv` (made in this call as `how`)."""
+        """Record what the segment became in the call (`how`), with its KV `kv`."""
+        self.decisions[decision.decision] += 1
+        if decision.reason:
+            self.fallbacks[decision.reason] += 1
         if kv is None or not self.strategy.reuse:
             return
+        for anchor in decision.anchors if decision.reused else ():
+            anchor.uses += 1
         if self.strategy.chained:
             self.store.put(slot, agent, token_ids, kv, how)
-        if decision.decision == "fallback" and decision.source is not None and self.strategy.correct:
-            self._insert_anchor(agent, slot, decision.source, token_ids, kv)
+        # Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
+        # when every token of it was prefilled in this call (not served from cached, maybe corrected, blocks).
+        if (decision.decision == "fallback" and decision.source is not None and self.strategy.correct
+                and decision.prefix_tokens == 0):
+            try:
+                self._insert_anchor(agent, slot, decision.source, token_ids, kv)
+            except (AgentCacheError, RuntimeError) as exc:
+                log.warning("no anchor from agent %r's fallback on slot %r: %s", agent, slot, exc)
+                self.fallbacks["anchor_build_error"] += 1
 
     def record_output(self, agent: str, token_ids: Sequence[int], kv: SegmentKV | None) -> None:
         """An agent's decoded output becomes the source of its `out:<agent>` slot."""

@@ -61,6 +61,15 @@ class Factors:
         a = self.a if count is None else self.a[:, :count]
         return a.clone() if self.b is None else torch.bmm(a, self.b)
 
+    def has_shape(self, layers: int, length: int, features: int) -> bool:
+        """Whether this holds `layers` float32 matrices of `length` x `features`, consistently factored."""
+        a, b = self.a, self.b
+        if a.dtype != torch.float32 or a.dim() != 3 or tuple(a.shape[:2]) != (layers, length):
+            return False
+        if b is None:
+            return a.shape[2] == features
+        return b.dtype == torch.float32 and tuple(b.shape) == (layers, a.shape[2], features)
+
     def layer_rows(self, layer: int, count: int | None = None) -> torch.Tensor:
         """The first `count` rows of one layer, reconstructed: (count, F)."""
         a = self.a[layer] if count is None else self.a[layer, :count]

@@ -1,7 +1,8 @@
 """The store of materialized shared-segment caches: the sources of the next workflow edges.
 
-It keeps the latest materialization (dense, corrected, or decoded) of each slot's content,
-with the agent that made it. Bounded by a byte budget over all entries: least recently
+It keeps each agent's latest materialization (dense, corrected, or decoded) of each slot's
+content: the newest overall is the next hop of a chain, an agent's own is the source of a
+fan-out edge from that agent. Bounded by a byte budget over all entries: least recently
 used entries go first.
 """
 
@@ -25,6 +26,7 @@ class Materialization:
     token_ids: tuple[int, ...]
     kv: SegmentKV  # full-dimensional KV of token_ids, at the positions it was made at
     how: str  # "dense", "prefix_hit", "corrected", "reused", "decoded", "reference"
+    serial: int = 0  # order of materialization: higher is newer
 
     @property
     def nbytes(self) -> int:
@@ -53,18 +55,23 @@ class SegmentStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __iter__(self):
+        return iter(list(self._entries.values()))
+
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
     def put(self, slot: str, agent: str, token_ids: Sequence[int], kv: SegmentKV, how: str) -> Materialization | None:
         """Keep a materialization; None when it alone is larger than the whole budget."""
-        entry = Materialization(f"{slot}#{next(self._ids)}", slot, agent, tuple(token_ids), kv, how)
+        serial = next(self._ids)
+        entry = Materialization(f"{slot}#{serial}", slot, agent, tuple(token_ids), kv, how, serial)
         if entry.nbytes > self.byte_budget:
             self.rejected_too_large += 1
             return None
-        # The newest materialization of the same content replaces older ones (it is the chain's source).
-        for old in [e.id for e in self._entries.values() if e.slot == slot and e.token_ids == entry.token_ids]:
+        # An agent's newest materialization of the same content replaces its older ones.
+        for old in [e.id for e in self._entries.values()
+                    if e.slot == slot and e.agent == agent and e.token_ids == entry.token_ids]:
             del self._entries[old]
         self._entries[entry.id] = entry
         while self.nbytes > self.byte_budget:
@@ -73,7 +80,7 @@ class SegmentStore:
         return entry
 
     def find(self, slot: str, token_ids: Sequence[int], agent: str | None = None) -> tuple[Materialization, int] | None:
-        """The newest materialization of `slot` sharing the longest token prefix with `token_ids`
+        """The newest materialization (by when it was made) of `slot` sharing the longest token prefix with `token_ids`
         (optionally only `agent`'s), and that prefix length.
 
         Only the same content counts: the shared prefix must cover at least half of the segment
@@ -82,11 +89,11 @@ class SegmentStore:
         """
         best: tuple[Materialization, int] | None = None
         needed = max(1, (len(token_ids) + 1) // 2)
-        for entry in reversed(self._entries.values()):
+        for entry in self._entries.values():
             if entry.slot != slot or (agent is not None and entry.agent != agent):
                 continue
             shared = common_prefix(entry.token_ids, token_ids)
-            if shared >= needed and (best is None or shared > best[1]):
+            if shared >= needed and (best is None or (shared, entry.serial) > (best[1], best[0].serial)):
                 best = (entry, shared)
         if best is not None:
             self._entries.move_to_end(best[0].id)

@@ -177,10 +177,11 @@ class EmbeddedEngine:
     # --- execution ------------------------------------------------------------------------------
 
     def execute(self, request: ExecRequest) -> ExecResult:
+        started = time.perf_counter()  # TTFT counts waiting for the lock and validating the plan
         with self._lock, torch.inference_mode():
             prompt = request.token_ids
             self._validate(request, prompt)
-            return self._execute(request, prompt)
+            return self._execute(request, prompt, started)
 
     def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
         total = len(prompt) + request.sampling.max_tokens
@@ -210,8 +211,7 @@ class EmbeddedEngine:
                     raise self._rope_error
             start += len(seg.token_ids)
 
-    def _execute(self, request: ExecRequest, prompt: list[int]) -> ExecResult:
-        started = time.perf_counter()
+    def _execute(self, request: ExecRequest, prompt: list[int], started: float) -> ExecResult:
         bs = self.block_size
         sampling = request.sampling
 

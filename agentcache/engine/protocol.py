@@ -155,6 +155,9 @@ class Engine(Protocol):
     bos_token_id: int | None
     eos_token_id: int | None
 
+    @property
+    def supports_realignment(self) -> bool: ...
+
     def tokenize(self, text: str, *, bos: bool = False) -> list[int]: ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
