@@ -152,6 +152,7 @@ class Runtime:
         segments, token_lists = self._tokenize(call)
         prompt = [t for tokens in token_lists for t in tokens]
         hit = self.engine.cached_prefix_length(prompt, lineage=lineage)
+        hit_is_exact = self.engine.cached_prefix_length(prompt) >= hit  # no block of the call's lineage in it
 
         decisions: dict[int, PHDecision] = {}
         pieces: list[_Piece] = []
@@ -162,6 +163,7 @@ class Runtime:
             if seg.kind == "ph" and end > hit:
                 decision = self.corrector.plan(agent, seg.slot, tokens, seg.source)
                 decision.prefix_tokens = skip = max(0, hit - pos)  # leading tokens the prefix cache serves
+                decision.prefix_exact = hit_is_exact
                 decisions[index] = decision
                 if decision.reused and decision.covered > skip:
                     cover = decision.covered

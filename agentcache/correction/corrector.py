@@ -47,6 +47,7 @@ class PHDecision:
     entropy: float | None = None
     anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
     prefix_tokens: int = 0  # leading tokens the call's prefix hit served (set by the runtime)
+    prefix_exact: bool = True  # whether that hit was exact (no approximate blocks of the lineage)
     plan_s: float = 0.0  # time spent planning (inside TTFT)
 
     @property
@@ -193,9 +194,9 @@ class Corrector:
         if self.strategy.chained:
             self.store.put(slot, agent, token_ids, kv, how)
         # Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
-        # when every token of it was prefilled in this call (not served from cached, maybe corrected, blocks).
+        # when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
         if (decision.decision == "fallback" and decision.source is not None and self.strategy.correct
-                and decision.prefix_tokens == 0):
+                and (decision.prefix_tokens == 0 or decision.prefix_exact)):
             try:
                 self._insert_anchor(agent, slot, decision.source, token_ids, kv)
             except (AgentCacheError, RuntimeError) as exc:
