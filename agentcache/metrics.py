@@ -25,6 +25,7 @@ class SegmentReport:
     injected_tokens: int
     entropy: float | None = None
     source: str | None = None  # the agent whose cache was the source (corrected/reused/fallback)
+    plan_s: float = 0.0  # looking up, gating and correcting it (inside TTFT)
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class CallResult:
     eligible_tokens: int  # PH tokens with a source cache and no prefix hit: could be reused
     reused_tokens: int  # PH tokens injected (corrected or raw)
     segments: list[SegmentReport]
+    # Kept only with RuntimeConfig(keep_kv=True): the engine's result and each segment's KV.
     engine_result: ExecResult | None = field(default=None, repr=False, compare=False)
-    segment_kv: list[SegmentKV | None] = field(default_factory=list, repr=False, compare=False)  # per call segment
+    segment_kv: list[SegmentKV | None] = field(default_factory=list, repr=False, compare=False)
     prompt_ids: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:

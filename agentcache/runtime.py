@@ -38,6 +38,7 @@ class RuntimeConfig:
     anchor_bytes: int = 2**30  # all anchor pools together
     store_bytes: int = 2**30  # materialized shared-segment caches (chain sources)
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
+    keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
 
     def __post_init__(self) -> None:
         for name in ("anchor_bytes", "store_bytes"):
@@ -206,7 +207,8 @@ class Runtime:
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
             reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
-            segments=reports, engine_result=result, segment_kv=kvs, prompt_ids=prompt,
+            segments=reports, prompt_ids=prompt,
+            engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )
         self.results.append(outcome)
         return outcome
@@ -239,6 +241,7 @@ class Runtime:
                 reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
                 injected_tokens=injected, entropy=decision.entropy if decision else None,
                 source=decision.source.agent if decision and decision.source else None,
+                plan_s=decision.plan_s if decision else 0.0,
             ))
         fed = result.token_ids[:-1]
         self.corrector.record_output(agent, fed, result.generated_kv)

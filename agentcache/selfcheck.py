@@ -78,8 +78,9 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
 
     open_gate = STRATEGIES["kvcmas"].replace(tau=1.0)
     fresh = getattr(engine, "with_config", None)
-    reuse = Runtime(fresh(engine.config) if fresh else engine, strategy=open_gate, config=RuntimeConfig(self_check=False))
-    dense = Runtime(fresh(engine.config) if fresh else engine, strategy="nonshared", config=RuntimeConfig(self_check=False))
+    probe = RuntimeConfig(self_check=False, keep_kv=True)
+    reuse = Runtime(fresh(engine.config) if fresh else engine, strategy=open_gate, config=probe)
+    dense = Runtime(fresh(engine.config) if fresh else engine, strategy="nonshared", config=probe)
     corrected, raw = [], []
     sampling = SamplingParams(max_tokens=1)
     for query in _PROBE_QUERIES:

@@ -9,9 +9,9 @@ The layout is the model's (layers, KV heads x head dim); the formula
 
 is checked against the measured bytes and then gives the 32K row. A pool's V anchors all have
 the same shapes, so its bytes are V times those of one anchor built and measured (a full pool
-of V anchors is built at a short length to check that the bank adds up the same way). Full mode takes the KV from a
-real prefill of the model; `--quick` uses random tensors of the same layout (bytes depend on
-shapes only) and finishes in seconds.
+of V anchors is built at a short length to check that the bank adds up the same way). Full mode takes the KV and the
+correction from real prefills of the model; `--quick` uses random tensors of the same layout
+(bytes depend on shapes only).
 """
 
 from __future__ import annotations
@@ -40,33 +40,54 @@ def formula(length: int, layers: int, features: int, anchors: int, consumers: in
     return anchors * (per_base + consumers * per_delta) * FLOAT_BYTES
 
 
-def anchor_bytes(rows_k: torch.Tensor, rows_v: torch.Tensor, consumers: int, rank: int | None,
-                 anchors: int = 1) -> tuple[int, float]:
+def anchor_bytes(kv: dict[str, torch.Tensor], consumers: int, rank: int | None, anchors: int = 1) -> tuple[int, float]:
     """Build `anchors` anchors of one slot's pool, each a base plus `consumers` corrections, through
-    the real bank; rows_*: (Ly, L, F) source KV. Returns (bytes the bank holds, seconds per anchor)."""
+    the real bank; kv: source rows and observed corrections, (Ly, L, F) and (Ly-1, L, F).
+    Returns (bytes the bank holds, seconds to build one anchor)."""
     bank = AnchorBank(capacity=anchors, byte_budget=2**62)
     started = time.perf_counter()
     for v in range(anchors):
-        base_k, base_v = factorize(rows_k, rank), factorize(rows_v, rank)
+        base_k, base_v = factorize(kv["keys"], rank), factorize(kv["values"], rank)
         for n in range(consumers):
-            # A consumer's correction: a scaled copy of the source (byte counts depend on shapes only).
-            delta = Correction(factorize(rows_k[1:] * 0.01 * (n + 1), rank), factorize(rows_v[1:] * 0.01 * (n + 1), rank))
+            delta = Correction(factorize(kv["delta_keys"], rank), factorize(kv["delta_values"], rank))
             bank.add("query", f"source-{v}", "agent-0", base_k, base_v, f"agent-{n + 1}", delta)
     assert bank.num_anchors == anchors
     return bank.nbytes, (time.perf_counter() - started) / anchors
 
 
-def source_rows(engine: EmbeddedEngine | None, layout, length: int, real: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def source_kv(engine: EmbeddedEngine, length: int, real: bool) -> dict[str, torch.Tensor]:
+    """A source cache of `length` tokens and the correction to another agent's cache of it.
+
+    Real: the same text prefilled after two different system prompts, keys re-aligned to position
+    0, Δ = target − source. Quick: random tensors of the model's layout."""
+    layout = engine.layout
     if not real:
         gen = torch.Generator().manual_seed(length)
         shape = (layout.num_layers, layout.num_kv_heads, length, layout.head_dim)
-        return as_rows(torch.randn(shape, generator=gen)), as_rows(torch.randn(shape, generator=gen))
+        rows = {name: as_rows(torch.randn(shape, generator=gen)) for name in ("keys", "values")}
+        return rows | {f"delta_{name}": 0.1 * rows[name][1:] for name in ("keys", "values")}
     words = "the shared query lists every record and each agent reads it again".split()
-    text = " ".join(words[i % len(words)] for i in range(length))
-    ids = engine.tokenize(text, bos=True)[:length]
-    result = engine.execute(ExecRequest([SegmentPlan("context", ids, Step.DENSE)], SamplingParams(max_tokens=1)))
-    kv = result.segments[0].kv
-    return as_rows(kv.keys).float(), as_rows(kv.values).float()
+    text = engine.tokenize(" " + " ".join(words[i % len(words)] for i in range(length)))[:length]
+    caches = []
+    for system in ("You are the planner.\n", "You are the critic and you check every claim.\n"):
+        plan = [SegmentPlan("system", engine.tokenize(system, bos=True), Step.DENSE), SegmentPlan("context", text, Step.DENSE)]
+        kv = engine.execute(ExecRequest(plan, SamplingParams(max_tokens=1))).segments[1].kv
+        caches.append(engine.realign(kv, 0))
+    source, target = caches
+    rows = {name: as_rows(getattr(source, name)).float() for name in ("keys", "values")}
+    return rows | {f"delta_{name}": as_rows(getattr(target, name)).float()[1:] - rows[name][1:]
+                   for name in ("keys", "values")}
+
+
+def effective_rank(rows: torch.Tensor, energy: float = 0.9) -> list[int]:
+    """Per layer, the fewest singular values holding `energy` of the squared singular-value mass."""
+    s2 = torch.linalg.svdvals(rows.double()).pow(2)  # (Ly, K)
+    share = s2.cumsum(-1) / s2.sum(-1, keepdim=True)
+    return [int((row < energy).sum()) + 1 for row in share]
+
+
+# The paper's model (Llama-3.1-8B: 32 layers, 8 KV heads x 128), by the formula.
+PAPER_LAYOUT = {"model": "llama-3.1-8b (formula)", "layers": 32, "features": 1024}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     engine = EmbeddedEngine(args.model)
     layout = engine.layout
     features = layout.num_kv_heads * layout.head_dim
-    short_k, short_v = source_rows(engine, layout, 256, real=False)
-    one, _ = anchor_bytes(short_k, short_v, args.consumers, args.rank)
-    pool, _ = anchor_bytes(short_k, short_v, args.consumers, args.rank, anchors=args.anchors)
+    short = source_kv(engine, 256, real=False)
+    one, _ = anchor_bytes(short, args.consumers, args.rank)
+    pool, _ = anchor_bytes(short, args.consumers, args.rank, anchors=args.anchors)
     if pool != args.anchors * one:
         raise SystemExit(f"a pool of {args.anchors} anchors holds {pool} bytes, not {args.anchors} x {one}")
     rows = []
     for length in (2048, 8192):
-        rows_k, rows_v = source_rows(engine, layout, length, real=not args.quick)
-        low_one, low_s = anchor_bytes(rows_k, rows_v, args.consumers, args.rank)
-        full_one, _ = anchor_bytes(rows_k, rows_v, args.consumers, None)
+        kv = source_kv(engine, length, real=not args.quick)
+        low_one, low_s = anchor_bytes(kv, args.consumers, args.rank)
+        full_one, _ = anchor_bytes(kv, args.consumers, None)
         low, full = args.anchors * low_one, args.anchors * full_one
         expected_low = formula(length, layout.num_layers, features, args.anchors, args.consumers, args.rank)
         expected_full = formula(length, layout.num_layers, features, args.anchors, args.consumers, None)
@@ -99,18 +120,28 @@ def main(argv: list[str] | None = None) -> int:
             "formula_matches": low == expected_low and full == expected_full,
             "lowrank_build_s_per_anchor": round(low_s, 3),
         })
+        if not args.quick:
+            rows[-1]["delta_effective_rank_90"] = {
+                "keys": effective_rank(kv["delta_keys"]), "values": effective_rank(kv["delta_values"])}
     if all(r["formula_matches"] for r in rows):
         length = 32768
         low = formula(length, layout.num_layers, features, args.anchors, args.consumers, args.rank)
         full = formula(length, layout.num_layers, features, args.anchors, args.consumers, None)
         rows.append({"L": length, "lowrank_bytes": low, "full_bytes": full, "ratio": full / low, "measured": False})
+    paper_rows = []
+    for length in (2048, 8192, 32768):
+        low = formula(length, PAPER_LAYOUT["layers"], PAPER_LAYOUT["features"], args.anchors, args.consumers, args.rank)
+        full = formula(length, PAPER_LAYOUT["layers"], PAPER_LAYOUT["features"], args.anchors, args.consumers, None)
+        paper_rows.append({"L": length, "lowrank_bytes": low, "full_bytes": full, "ratio": full / low})
     print(json.dumps({
         "model": engine.model_name,
         "layers": layout.num_layers, "kv_features_per_layer": features,
         "V": args.anchors, "N": args.consumers, "rank": args.rank,
         "max_ratio_F_over_r": features / args.rank,
-        "source": "random tensors of the model's KV layout" if args.quick else "KV of a real prefill",
+        "source": "random tensors of the model's KV layout" if args.quick else
+                  "KV of a real prefill and the observed correction to a second agent's prefill",
         "rows": rows,
+        "paper_layout": {**PAPER_LAYOUT, "rows": paper_rows},
     }))
     return 0
 

@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> dict:
         strategies = {name: s.replace(tau=args.tau) for name, s in strategies.items()}
     runtimes = {
         name: Runtime(engine.with_config(EngineConfig()), strategy=s, check=check,
-                      config=RuntimeConfig(self_check=False))
+                      config=RuntimeConfig(self_check=False, keep_kv=True))
         for name, s in strategies.items()
     }
-    oracle = Runtime(engine.with_config(EngineConfig()), strategy="nonshared", config=RuntimeConfig(self_check=False))
+    oracle = Runtime(engine.with_config(EngineConfig()), strategy="nonshared",
+                     config=RuntimeConfig(self_check=False, keep_kv=True))
     dense_runs: dict[tuple, object] = {}  # (agent, prompt ids) -> the NonShared run of that prompt
 
     def dense_of(result, call, sampling):

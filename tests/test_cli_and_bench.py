@@ -39,14 +39,28 @@ def test_engine_bench_prints_one_json_object_with_the_issue_keys():
     assert result["prefill_throughput_ratio"] > 0 and result["prefix_hit_ttft_ratio"] > 0
 
 
-def test_readme_engine_snippet_runs():
+def _readme_snippets() -> list[str]:
     import re
 
-    readme = (ROOT / "README.md").read_text()
-    snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def _run_snippet(snippet: str) -> dict:
     namespace: dict = {"print": lambda *a: None}
     exec(compile(snippet.replace('"gemma3-270m"', '"tiny-llama"'), "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_readme_engine_snippet_runs():
+    namespace = _run_snippet(_readme_snippets()[0])
     assert namespace["result"].segments[1].kv.length == namespace["query_kv"].length > 0
+
+
+def test_readme_runtime_snippet_runs():
+    namespace = _run_snippet(_readme_snippets()[1])
+    final, rt = namespace["final"], namespace["rt"]
+    assert [s.name for s in final.segments if s.kind == "ph"] == ["query", "out:planner", "out:local"]
+    assert rt.summary()["calls"] == 3 and rt.strategy.name == "kvcmas"
 
 
 def _quick(script: str, *extra: str) -> dict:

@@ -22,14 +22,14 @@ ROLES = {
     "critic": "You look for mistakes in every plan you read.\n",
 }
 ONE = SamplingParams(max_tokens=1)
-NO_CHECK = RuntimeConfig(self_check=False)
+NO_CHECK = RuntimeConfig(self_check=False, keep_kv=True)
 
 
 def runtime(strategy: str, preset: str = "tiny-llama", tau: float = 1.0, **config) -> Runtime:
     """A runtime on a fresh engine; the gate is open (tau=1) unless asked, so that two anchors
     per edge always give a correction and the tests do not depend on random-weight entropies."""
     return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=tau),
-                   config=RuntimeConfig(self_check=False, **config))
+                   config=RuntimeConfig(self_check=False, keep_kv=True, **config))
 
 
 def role_call(agent: str, query: str) -> AgentCall:
