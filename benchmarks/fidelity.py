@@ -59,9 +59,16 @@ def run(args: argparse.Namespace) -> dict:
     strategies = {name: STRATEGIES[name] for name in ORDER}
     for rank in args.ranks:  # rank ablation: KVCMAS with other ranks for base caches and corrections
         strategies[f"kvcmas_r{rank}"] = STRATEGIES["kvcmas"].replace(name=f"kvcmas_r{rank}", base_rank=rank, delta_rank=rank)
+    if args.strategies:
+        unknown = set(args.strategies) - set(strategies) - {"nonshared"}
+        if unknown:
+            raise SystemExit(f"unknown strategies {sorted(unknown)}; choose from {sorted(strategies)}")
+        strategies = {n: s for n, s in strategies.items() if n in args.strategies or n == "nonshared"}
     order = list(strategies)
     if args.tau is not None:
         strategies = {name: s.replace(tau=args.tau) for name, s in strategies.items()}
+    if args.temperature is not None:
+        strategies = {name: s.replace(temperature=args.temperature) for name, s in strategies.items()}
     runtimes = {
         name: Runtime(engine.with_config(EngineConfig()), strategy=s, check=check,
                       config=RuntimeConfig(self_check=False, keep_kv=True))
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         "warmup_problems": args.warmup,
         "records_per_query": args.records if args.task == "fact" else None,
         "tau": {name: s.tau for name, s in strategies.items()},
+        "temperature": {name: s.temperature for name, s in strategies.items()},
         "self_check": None if check is None else check.to_dict(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cpus, torch CPU",
         "wall_s": round(time.perf_counter() - started, 1),
@@ -162,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=None, help="records per fact-retrieval query")
     parser.add_argument("--role-tokens", type=int, default=None)
     parser.add_argument("--final-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None, help="gate temperature T (default 1)")
+    parser.add_argument("--strategies", type=lambda v: [x for x in v.split(",") if x], default=[],
+                        help="only these strategies (NonShared always runs: it is the reference)")
     parser.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                         help="comma-separated extra KVCMAS ranks to ablate, e.g. 8,16,64")
     parser.add_argument("--out", default=None, help="also write the JSON here")

@@ -82,8 +82,9 @@ class Factors:
 def factorize(rows: torch.Tensor, rank: int | None) -> Factors:
     """Rank-`rank` truncated SVD of each layer of `rows` (L, T, F); `None` keeps it dense.
 
-    Computed from the F×F Gram matrix when T > F (cheaper than an SVD of the tall matrix and
-    the same top singular directions); the rank is clipped to min(T, F).
+    Computed from the eigenvectors of the smaller Gram matrix (F×F, or T×T for short segments):
+    the same top singular directions as an SVD, at a fraction of its cost on a CPU. The rank is
+    clipped to min(T, F).
     """
     rows = rows.float()
     if rank is None:
@@ -92,12 +93,10 @@ def factorize(rows: torch.Tensor, rank: int | None) -> Factors:
         raise ValueError(f"rank must be at least 1 or None (dense), got {rank}")
     layers, tokens, features = rows.shape
     r = min(rank, tokens, features)
-    if tokens > features:
+    if tokens >= features:
         gram = torch.bmm(rows.transpose(1, 2), rows).double()  # (L, F, F)
-        _, eigvecs = torch.linalg.eigh(gram)  # ascending eigenvalues
-        basis = eigvecs[:, :, -r:].flip(-1).float()  # (L, F, r): top right singular vectors
-        a = torch.bmm(rows, basis)  # (L, T, r) = U_r Σ_r
-        return Factors(a.contiguous(), basis.transpose(1, 2).contiguous())  # b: (L, r, F)
-    u, s, vh = torch.linalg.svd(rows, full_matrices=False)  # (L, T, K), (L, K), (L, K, F)
-    a = u[:, :, :r] * s[:, None, :r]  # (L, T, r)
-    return Factors(a.contiguous(), vh[:, :r].contiguous())
+        basis = torch.linalg.eigh(gram)[1][:, :, -r:].flip(-1).float()  # (L, F, r): top right singular vectors
+        return Factors(torch.bmm(rows, basis).contiguous(), basis.transpose(1, 2).contiguous())  # U_r Σ_r, R_rᵀ
+    gram = torch.bmm(rows, rows.transpose(1, 2)).double()  # (L, T, T)
+    left = torch.linalg.eigh(gram)[1][:, :, -r:].flip(-1).float()  # (L, T, r): top left singular vectors
+    return Factors(left.contiguous(), torch.bmm(left.transpose(1, 2), rows).contiguous())  # U_r, U_rᵀ·rows
