@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=None, help="records per fact-retrieval query")
     parser.add_argument("--role-tokens", type=int, default=None)
     parser.add_argument("--final-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None, help="gate temperature T (default 1)")
+    parser.add_argument("--temperature", type=float, default=None, help="gate softmax temperature T (default 1)")
     parser.add_argument("--strategies", type=lambda v: [x for x in v.split(",") if x], default=[],
                         help="only these strategies (NonShared always runs: it is the reference)")
     parser.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",") if x], default=[],

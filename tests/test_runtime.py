@@ -95,6 +95,19 @@ def test_fan_out_reads_the_producer_when_the_source_is_named():
         Segment(kind="pf", text="x", source="planner")
 
 
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-llama"])  # one KV head (views) and two
+def test_correcting_never_alters_the_source_cache(preset):
+    rt, dense = runtime("kvcmas", preset), runtime("nonshared", preset)
+    warm(rt)
+    query = text_of_length(rt.engine, 40, seed=12)
+    got, want = chain(rt, query), chain(dense, query)
+    assert [r.segments[1].decision for r in got] == ["first", "corrected", "corrected"]
+    # The first agent's cache was the source of a correction and must still be its exact dense KV.
+    assert kv_error(got[0].segment_kv[1], want[0].segment_kv[1]) < 1e-6
+    source = rt.corrector.store.find("query", rt.engine.tokenize(query), agent="planner")[0]
+    assert torch.equal(source.kv.values, got[0].segment_kv[1].values)
+
+
 def test_correction_beats_raw_reuse_against_dense():
     rt, raw, dense = runtime("kvcmas"), runtime("fullshared"), runtime("nonshared")
     warm(rt, rounds=3)

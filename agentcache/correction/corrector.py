@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
+TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 
 
 @dataclass
@@ -157,12 +158,12 @@ class Corrector:
                 return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
         corrected = []
         for part in ("keys", "values"):
-            rows = as_rows(getattr(aligned, part)).float()  # (L, S, F)
+            rows = as_rows(getattr(aligned, part)).float().clone()  # (L, S, F); a copy: the source stays intact
             delta, _ = interpolated_correction(
                 rows[1:, :k],  # rows past k stay the aligned source: no extrapolation past the anchors
                 [getattr(a, part) for a in compatible],
                 [getattr(a.corrections[agent], part) for a in compatible],
-                self.strategy.temperature,
+                TOKEN_WEIGHT_TEMPERATURE,
                 base_layer_offset=1,
             )
             rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment

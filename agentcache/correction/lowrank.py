@@ -15,7 +15,7 @@ __all__ = ["Factors", "factorize", "as_rows", "from_rows"]
 
 
 def as_rows(kv: torch.Tensor) -> torch.Tensor:
-    """(L, H, T, D) -> (L, T, H·D): one row per token, per layer."""
+    """(L, H, T, D) -> (L, T, H·D): one row per token, per layer. A view when H = 1: copy before writing."""
     layers, heads, tokens, dim = kv.shape
     return kv.permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
 

@@ -35,7 +35,7 @@ class Strategy:
     delta_rank: int | None = 32
     max_anchors: int = 10  # V, per slot
     tau: float = 0.3  # accept a correction when the gate's normalized entropy is at most tau
-    temperature: float = 1.0  # T of the gate and of the token-wise weights
+    temperature: float = 1.0  # T of the gate's softmax (the token-wise weights always use T = 1)
 
     def __post_init__(self) -> None:
         for name in ("base_rank", "delta_rank"):
