@@ -188,7 +188,9 @@ def test_own_lineage_prefix_hit_on_a_second_turn():
     query = text_of_length(rt.engine, 40, seed=9)
     chain(rt, query)
     again = rt.run(role_call("local", query), ONE)  # local's own corrected blocks are its context
-    assert again.cached_tokens > 0 and again.segments[1].decision in ("prefix_hit", "corrected")
+    prompt = len(again.prompt_ids)
+    assert again.cached_tokens == (prompt - 1) // rt.engine.block_size * rt.engine.block_size
+    assert again.segments[1].decision == "prefix_hit" and again.segments[1].cached_tokens == again.segments[1].length
 
 
 def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
