@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from agentcache.correction.store import common_prefix
 from agentcache.engine.kv import SegmentKV
 from agentcache.metrics import CallResult
 
@@ -65,14 +66,7 @@ def ph_layer_errors(call: CallResult, dense: CallResult, reused_only: bool = Fal
 
 def prefix_agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
     """Fraction of `reference` greedy tokens reproduced before the first divergence."""
-    if not reference:
-        return 1.0
-    n = 0
-    for a, b in zip(tokens, reference):
-        if a != b:
-            break
-        n += 1
-    return n / len(reference)
+    return common_prefix(tokens, reference) / len(reference) if reference else 1.0
 
 
 def teacher_forced(engine, call: CallResult, dense: CallResult) -> tuple[float, float]:

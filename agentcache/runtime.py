@@ -23,7 +23,7 @@ import torch
 from agentcache.correction.corrector import Corrector, PHDecision
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
+from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
 from agentcache.errors import KVShapeError, PlanError, RopeAlignmentError
 from agentcache.metrics import CallResult, SegmentReport, summarize
 from agentcache.segments import AgentCall, Segment, output_slot
@@ -153,7 +153,6 @@ class Runtime:
         segments, token_lists = self._tokenize(call)
         prompt = [t for tokens in token_lists for t in tokens]
         hit = self.engine.cached_prefix_length(prompt, lineage=lineage)
-        hit_is_exact = self.engine.cached_prefix_length(prompt) >= hit  # no block of the call's lineage in it
 
         decisions: dict[int, PHDecision] = {}
         pieces: list[_Piece] = []
@@ -163,8 +162,9 @@ class Runtime:
             end = pos + len(tokens)
             if seg.kind == "ph" and end > hit:
                 decision = self.corrector.plan(agent, seg.slot, tokens, seg.source)
-                decision.prefix_tokens = skip = max(0, hit - pos)  # leading tokens the prefix cache serves
-                decision.prefix_exact = hit_is_exact
+                skip = max(0, hit - pos)  # leading tokens of the segment the prefix cache serves
+                # Only a hit reaching into the segment matters; was it free of the lineage's approximate blocks?
+                decision.prefix_exact = skip == 0 or self.engine.cached_prefix_length(prompt) >= hit
                 decisions[index] = decision
                 if decision.reused and decision.covered > skip:
                     cover = decision.covered
@@ -197,8 +197,11 @@ class Runtime:
         first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
         ttft = first_token - started
 
-        kvs = [_joined([o.kv for p, o in zip(pieces, result.segments) if p.index == i]) for i in range(len(segments))]
-        reports = self._commit(agent, segments, token_lists, pieces, decisions, result, kvs)
+        outcomes: list[list[SegmentOutcome]] = [[] for _ in segments]  # engine segments per call segment
+        for piece, outcome in zip(pieces, result.segments):
+            outcomes[piece.index].append(outcome)
+        kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
+        reports = self._commit(agent, segments, token_lists, outcomes, decisions, result, kvs)
         self._last_output[agent] = result.text
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
@@ -218,18 +221,17 @@ class Runtime:
         agent: str,
         segments: list[Segment],
         token_lists: list[list[int]],
-        pieces: list[_Piece],
+        outcomes: list[list[SegmentOutcome]],
         decisions: dict[int, PHDecision],
         result: ExecResult,
         kvs: list[SegmentKV | None],
     ) -> list[SegmentReport]:
         """After the first token: record materializations and anchors, and report each segment."""
         reports = []
-        for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
-            outcomes = [o for p, o in zip(pieces, result.segments) if p.index == index]
-            cached = sum(o.cached_tokens for o in outcomes)
-            computed = sum(o.computed_tokens for o in outcomes)
-            injected = sum(o.injected_tokens for o in outcomes)
+        for index, (seg, tokens, parts) in enumerate(zip(segments, token_lists, outcomes)):
+            cached = sum(o.cached_tokens for o in parts)
+            computed = sum(o.computed_tokens for o in parts)
+            injected = sum(o.injected_tokens for o in parts)
             made = "prefix_hit" if cached == len(tokens) else "dense"
             decision = decisions.get(index)
             label = decision.decision if decision is not None else made
@@ -237,7 +239,7 @@ class Runtime:
                 self.corrector.commit(agent, seg.slot, tokens, decision or PHDecision(made), kvs[index],
                                       how=label if decision is not None and decision.reused else made)
             reports.append(SegmentReport(
-                name=seg.name, kind=seg.kind, start=outcomes[0].start, length=len(tokens), decision=label,
+                name=seg.name, kind=seg.kind, start=parts[0].start, length=len(tokens), decision=label,
                 reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
                 injected_tokens=injected, entropy=decision.entropy if decision else None,
                 source=decision.source.agent if decision and decision.source else None,

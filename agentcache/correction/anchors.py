@@ -47,20 +47,22 @@ class Anchor:
     def length(self) -> int:
         return self.keys.length
 
+    def _parts(self) -> list[tuple[Factors, int]]:
+        """Every stored factor stack with its layer offset (corrections skip layer 0)."""
+        return [(self.keys, 0), (self.values, 0)] + [
+            (f, 1) for c in self.corrections.values() for f in (c.keys, c.values)]
+
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.corrections.values())
+        return sum(part.nbytes for part, _ in self._parts())
 
     def fits(self, num_layers: int, features: int) -> bool:
         """Shapes agree with the model and with each other (cheap: checked on every use)."""
-        expected = [(self.keys, num_layers), (self.values, num_layers)] + [
-            (f, num_layers - 1) for c in self.corrections.values() for f in (c.keys, c.values)]
-        return all(part.has_shape(layers, self.length, features) for part, layers in expected)
+        return all(part.has_shape(num_layers - skip, self.length, features) for part, skip in self._parts())
 
     def is_finite(self) -> bool:
         """Every stored number is finite (checked when a correction comes out non-finite)."""
-        parts = [self.keys, self.values] + [f for c in self.corrections.values() for f in (c.keys, c.values)]
-        return all(part.is_finite() for part in parts)
+        return all(part.is_finite() for part, _ in self._parts())
 
 
 class AnchorPool:
@@ -84,8 +86,10 @@ class AnchorPool:
         """Anchors whose base came from `source` and that hold a correction for `consumer`."""
         return [a for a in self.anchors.values() if a.source == source and consumer in a.corrections]
 
-    def victim(self) -> Anchor | None:
-        oldest = sorted(self.anchors.values(), key=lambda a: a.serial)[:OLDEST_WINDOW]
+    def victim(self, keep: Anchor | None = None) -> Anchor | None:
+        """The least frequently used of the oldest anchors (never `keep`); None if there is none."""
+        others = [a for a in self.anchors.values() if a is not keep]
+        oldest = sorted(others, key=lambda a: a.serial)[:OLDEST_WINDOW]
         return min(oldest, key=lambda a: (a.uses, a.serial), default=None)
 
     def remove(self, source_id: str) -> Anchor | None:
@@ -156,10 +160,9 @@ class AnchorBank:
         while self.nbytes > self.byte_budget:
             pools = sorted(self.pools.values(), key=lambda p: p.nbytes, reverse=True)
             for pool in pools:
-                candidates = [a for a in pool.anchors.values() if a is not keep]
-                if candidates:
-                    oldest = sorted(candidates, key=lambda a: a.serial)[:OLDEST_WINDOW]
-                    self._evict(pool, min(oldest, key=lambda a: (a.uses, a.serial)))
+                victim = pool.victim(keep)
+                if victim is not None:
+                    self._evict(pool, victim)
                     break
             else:  # only `keep` is left and it is over budget on its own
                 for pool in pools:

@@ -47,8 +47,7 @@ class PHDecision:
     inject: SegmentKV | None = None  # canonical positions (start 0); the engine re-aligns it
     entropy: float | None = None
     anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
-    prefix_tokens: int = 0  # leading tokens the call's prefix hit served (set by the runtime)
-    prefix_exact: bool = True  # whether that hit was exact (no approximate blocks of the lineage)
+    prefix_exact: bool = True  # whether tokens the call's prefix hit served came from exact blocks (set by the runtime)
     plan_s: float = 0.0  # time spent planning (inside TTFT)
 
     @property
@@ -62,7 +61,6 @@ class Corrector:
         self.strategy = strategy
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
-        self.decisions: Counter[str] = Counter()  # what PH segments finally became
         self.fallbacks: Counter[str] = Counter()  # why they fell back, and other faults
         self.anchor_build_s = 0.0
 
@@ -185,7 +183,6 @@ class Corrector:
     def commit(self, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
                kv: SegmentKV | None, how: str) -> None:
         """Record what the segment became in the call (`how`), with its KV `kv`."""
-        self.decisions[decision.decision] += 1
         if decision.reason:
             self.fallbacks[decision.reason] += 1
         if kv is None or not self.strategy.reuse:
@@ -197,7 +194,7 @@ class Corrector:
         # Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
         # when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
         if (decision.decision == "fallback" and decision.source is not None and self.strategy.correct
-                and (decision.prefix_tokens == 0 or decision.prefix_exact)):
+                and decision.prefix_exact):
             try:
                 self._insert_anchor(agent, slot, decision.source, token_ids, kv)
             except (AgentCacheError, RuntimeError) as exc:
