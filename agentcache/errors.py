@@ -9,6 +9,7 @@ __all__ = [
     "KVShapeError",
     "RopeAlignmentError",
     "CapacityError",
+    "TraceError",
 ]
 
 
@@ -42,3 +43,7 @@ class RopeAlignmentError(AgentCacheError):
 
 class CapacityError(AgentCacheError, ValueError):
     """A block pool is too small for what was asked of it."""
+
+
+class TraceError(AgentCacheError, ValueError):
+    """A workload trace is malformed or does not match what it is replayed against."""

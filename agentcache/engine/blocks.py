@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from agentcache.engine.eviction import EvictionPolicy, make_policy
+from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
 from agentcache.engine.kv import KVLayout
 from agentcache.errors import CapacityError
 
@@ -98,6 +98,7 @@ class BlockPool:
         if self.block_size < 1:
             raise CapacityError(f"block size must be at least 1 token, got {self.block_size}")
         self.policy = make_policy(self.policy)
+        self.policy.attach(self.capacity, self.block_size)
         self._blocks: dict[int, Block] = {}
         self._index: dict[bytes, Block] = {}
         self._free_ids = list(range(self.capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
@@ -169,24 +170,42 @@ class BlockPool:
         """A hash hit is trusted only if the stored tokens, parent and salt match too."""
         return block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
 
-    # --- reference counting ----------------------------------------------------------------
+    # --- requests and reference counting ----------------------------------------------------
+
+    def begin_request(
+        self, token_ids: Sequence[int], agent: str | None = None, *, session: str | None = None, warmup: bool = False
+    ) -> None:
+        """Tell the eviction policy a request starts: who runs it (None: let it fingerprint the prompt)."""
+        self.policy.begin_request(Dispatch(token_ids, agent, session, warmup))
+
+    def end_request(self) -> None:
+        self.policy.end_request()
 
     def acquire(self, blocks: Sequence[Block], *, hit: bool = True) -> None:
         """Reference blocks for the duration of a call; counts as an access (and a hit)."""
+        for block in blocks:
+            self._check_member(block)
         now = self._tick()
+        touch = self.policy.touch
         for block in blocks:
             block.ref_count += 1
             block.last_access = now
             if hit:
                 block.hits += 1
+            touch(block)
         if hit:
             self.stats.hit_blocks += len(blocks)
 
     def release(self, blocks: Sequence[Block]) -> None:
         for block in blocks:
+            self._check_member(block)
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block.block_id} released more often than acquired")
             block.ref_count -= 1
+
+    def _check_member(self, block: Block) -> None:
+        if self._blocks.get(block.block_id) is not block:
+            raise ValueError(f"block {block.block_id} is not cached in this pool (evicted, or from another pool)")
 
     # --- data ----------------------------------------------------------------------------------
 
@@ -241,6 +260,7 @@ class BlockPool:
         if parent is not None:
             parent.num_children += 1
         self.stats.stored_blocks += 1
+        self.policy.touch(block)
         return block
 
     # --- eviction -------------------------------------------------------------------------------
@@ -281,6 +301,7 @@ class BlockPool:
             block.parent.num_children -= 1
         self._free_ids.append(block.block_id)
         self.stats.evictions += 1
+        self.policy.forget(block)
 
     def clear(self) -> None:
         """Drop every unreferenced block."""

@@ -1,0 +1,219 @@
+"""Agent-aware eviction policies for the block pool: TTL pinning, Survival (CacheScout), Belady.
+
+Each plugs into `BlockPool` through `priority(block)` (lower is evicted first) and the pool's
+hooks (see agentcache.engine.eviction). Importing this module registers `ttl` and `survival`
+by name; Belady needs the future trace and is built from it.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from bisect import bisect_right
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from agentcache.engine.blocks import block_hash
+from agentcache.engine.eviction import EVICTION_POLICIES, Dispatch, EvictionPolicy
+from agentcache.errors import TraceError
+from agentcache.scout.config import ScoutConfig
+from agentcache.scout.learner import TransitionLearner, prompt_fingerprint
+from agentcache.scout.scorer import SurvivalScorer
+
+if TYPE_CHECKING:
+    from agentcache.engine.blocks import Block
+
+__all__ = ["TTLPolicy", "SurvivalPolicy", "BeladyPolicy"]
+
+
+class _AttachOnce(EvictionPolicy):
+    capacity = 0
+
+    def attach(self, capacity: int, block_size: int) -> None:
+        if self.capacity:
+            raise ValueError(f"this {self.name} policy already serves a block pool; give each pool its own policy")
+        self.capacity, self.block_size = capacity, block_size
+
+
+class TTLPolicy(_AttachOnce):
+    """Continuum-style pinning: when a request ends, the blocks it used stay pinned for `ttl`
+    dispatches (the next turn of the same program is expected within that time). Unpinned
+    blocks go first, least recently used first; pinned ones only when nothing else is left.
+    TTL counts dispatches, not seconds, so replays are deterministic."""
+
+    name = "ttl"
+
+    def __init__(self, ttl: int = 8) -> None:
+        if ttl < 1:
+            raise ValueError(f"ttl must be at least 1 dispatch, got {ttl}")
+        self.ttl = ttl
+        self.step = 0
+        self._touched: list[int] = []
+
+    def attach(self, capacity: int, block_size: int) -> None:
+        super().attach(capacity, block_size)
+        self.pinned_until = array("l", [0] * capacity)
+
+    def begin_request(self, dispatch: Dispatch) -> None:
+        if not dispatch.warmup:
+            self.step += 1
+        self._touched = []
+
+    def touch(self, block: "Block") -> None:
+        self._touched.append(block.block_id)
+
+    def end_request(self) -> None:
+        until = self.step + self.ttl
+        for block_id in self._touched:
+            self.pinned_until[block_id] = until
+        self._touched = []
+
+    def forget(self, block: "Block") -> None:
+        self.pinned_until[block.block_id] = 0
+
+    def priority(self, block: "Block") -> Any:
+        return (self.pinned_until[block.block_id] > self.step, block.last_access)
+
+
+_FRESH = object()  # session_of[] before any touch
+_SHARED = object()  # session_of[] of a block touched by two or more sessions
+
+
+class SurvivalPolicy(_AttachOnce):
+    """CacheScout's survival-guided eviction (Eq. 9):
+
+        score(b) = (survival(b) + delta) * (exp(-lambda * age(b)) + delta) * |b|
+
+    age counts dispatches since the block was last touched. A block belongs to the agent whose
+    request touched it last (the block-to-agent map). Observing a touch is a few array writes.
+
+    With `per_session` (our default) a block touched by one session only (its history) is scored
+    from that session's current agent, and scores 0 once the session is no longer active; a
+    block several sessions touched (an agent's prefix) is scored from the current agents of all
+    active sessions. Without it, every block is scored from the last dispatched agent, as in
+    the paper's Algorithm 1."""
+
+    name = "survival"
+
+    def __init__(self, config: ScoutConfig | None = None) -> None:
+        self.config = config or ScoutConfig()
+        c = self.config
+        self.learner = TransitionLearner(c.smoothing, max_agents=c.max_agents)
+        self.scorer = SurvivalScorer(
+            self.learner, edge_threshold=c.edge_threshold, horizon=c.horizon,
+            active_sessions=c.active_sessions if c.per_session else 1,
+        )
+        self.step = 0  # dispatches seen (warm-ups excluded)
+        self.current = -1  # index of the agent whose request runs now; -1: unknown
+        self.session: str | None = None
+        self.warmups = 0
+
+    def attach(self, capacity: int, block_size: int) -> None:
+        super().attach(capacity, block_size)
+        self.agent_of = array("h", [-1] * capacity)  # block id -> agent index (the block-to-agent map)
+        self.last_step = array("l", [0] * capacity)  # block id -> dispatch of its last touch
+        self.session_of: list[object] = [_FRESH] * capacity  # block id -> its one session, or _SHARED
+
+    def identify(self, dispatch: Dispatch) -> str | None:
+        """The agent of a request: its explicit name, else a fingerprint of its leading blocks."""
+        if dispatch.agent is not None:
+            return dispatch.agent
+        return prompt_fingerprint(dispatch.token_ids, self.block_size or 16, self.config.fingerprint_blocks)
+
+    def begin_request(self, dispatch: Dispatch) -> None:
+        agent = self.identify(dispatch)
+        self.session = dispatch.session if self.config.per_session else None
+        if dispatch.warmup:  # fills the cache for `agent`, teaches the learner nothing
+            self.warmups += 1
+            index = self.learner.agent_id(agent) if agent is not None else None
+            self.session = _SHARED  # a prefix warmed for whichever session calls next
+        else:
+            self.step += 1
+            index = self.learner.observe(agent, self.session) if agent is not None else None
+            self.scorer.maybe_refresh()
+        self.current = -1 if index is None else index
+
+    def touch(self, block: "Block") -> None:
+        block_id = block.block_id
+        self.agent_of[block_id] = self.current
+        self.last_step[block_id] = self.step
+        owner = self.session_of[block_id]
+        if owner is _FRESH:
+            self.session_of[block_id] = self.session
+        elif owner is not _SHARED and owner != self.session:
+            self.session_of[block_id] = _SHARED
+
+    def forget(self, block: "Block") -> None:
+        self.agent_of[block.block_id] = -1
+        self.session_of[block.block_id] = _FRESH
+
+    def survival(self, block_id: int) -> float:
+        agent = self.agent_of[block_id]
+        if agent < 0:
+            return 0.0
+        owner = self.session_of[block_id]
+        if owner is _SHARED or not self.config.per_session:
+            return self.scorer.survival_of(agent)
+        current = self.scorer.active_now.get(owner)  # the session's agent now, if the session is active
+        return 0.0 if current is None else self.scorer.survival_from(current)[agent]
+
+    def priority(self, block: "Block") -> Any:
+        block_id = block.block_id
+        c = self.config
+        recency = math.exp(-c.decay * (self.step - self.last_step[block_id]))
+        return (self.survival(block_id) + c.floor) * (recency + c.floor) * len(block.token_ids)
+
+    def state_bytes(self) -> int:
+        """Bytes of the runtime state: transition counts, graph, survival tables, block map."""
+        n = self.learner.num_agents
+        ints = n * n + n + sum(len(s) for s in self.scorer.successors)
+        floats = len(self.scorer.survival) + sum(len(t) for t in self.scorer._from.values())
+        names = sum(len(a.encode()) for a in self.learner.agents)
+        block_map = (self.agent_of.itemsize + self.last_step.itemsize + 8) * len(self.agent_of)
+        return 4 * ints + 4 * floats + names + block_map
+
+
+class BeladyPolicy(_AttachOnce):
+    """Belady's offline optimum, for benchmarks: evict the block whose next use is farthest away.
+
+    Built from the future: the token ids each request caches, in replay order (warm-ups are not
+    requests). A block the future never mentions is a replay that does not match its trace,
+    and raises TraceError."""
+
+    name = "belady"
+
+    def __init__(self, future: Iterable[Sequence[int]], block_size: int) -> None:
+        self.uses: dict[bytes, list[int]] = {}
+        self.requests = 0
+        for step, token_ids in enumerate(future, start=1):
+            self.requests = step
+            parent = None
+            for i in range(len(token_ids) // block_size):
+                parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], None)
+                uses = self.uses.setdefault(parent, [])
+                if not uses or uses[-1] != step:
+                    uses.append(step)
+        self.expected_block_size = block_size
+        self.step = 0
+
+    def attach(self, capacity: int, block_size: int) -> None:
+        if block_size != self.expected_block_size:
+            raise ValueError(f"Belady's trace was cut in {self.expected_block_size}-token blocks, the pool uses {block_size}")
+        super().attach(capacity, block_size)
+
+    def begin_request(self, dispatch: Dispatch) -> None:
+        if not dispatch.warmup:
+            self.step += 1
+
+    def priority(self, block: "Block") -> Any:
+        uses = self.uses.get(block.block_hash)
+        if uses is None:
+            raise TraceError(
+                f"block {block.block_id} (tokens {list(block.token_ids[:4])}...) is not in Belady's trace: "
+                "replay the same trace the policy was built from"
+            )
+        later = bisect_right(uses, self.step)
+        return -uses[later] if later < len(uses) else -math.inf
+
+
+EVICTION_POLICIES[TTLPolicy.name] = TTLPolicy
+EVICTION_POLICIES[SurvivalPolicy.name] = SurvivalPolicy

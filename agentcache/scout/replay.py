@@ -1,0 +1,134 @@
+"""Replay a trace through the real block pool (no model): hit rates of eviction policies.
+
+Each request does what the engine does with its pool: look up the prompt's cached prefix
+(the last prompt token is always computed), reference the hit, cache every further full block
+of the prompt and of the tokens it generated, release. Hit rate is CacheScout's metric:
+cached prompt tokens / prompt tokens. With warm-up, the coordinator may prefill the predicted
+next agent's prefix between requests; warm-ups are not requests and their tokens are counted
+apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from agentcache.engine.blocks import BlockPool
+from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
+from agentcache.errors import CapacityError
+from agentcache.scout.config import ScoutConfig
+from agentcache.scout.policies import BeladyPolicy, SurvivalPolicy
+from agentcache.scout.warmup import WarmupCoordinator
+from agentcache.scout.workloads import Trace
+
+__all__ = ["ReplayResult", "replay", "make_replay_policy", "REPLAY_POLICIES"]
+
+REPLAY_POLICIES = ("lru", "lfu", "ttl", "survival", "survival_prefetch", "belady")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    capacity: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    evictions: int
+    warmups: int
+    warmup_tokens: int  # tokens the warm-ups prefilled
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+def make_replay_policy(name: str, trace: Trace, block_size: int, config: ScoutConfig | None = None) -> EvictionPolicy:
+    """A fresh policy for one replay; `survival_prefetch` is Survival (warm-up is the replay's job)."""
+    if name == "belady":
+        return BeladyPolicy((trace.cached_tokens(r) for r in trace), block_size)
+    if name in ("survival", "survival_prefetch"):
+        return SurvivalPolicy(config)
+    if name not in REPLAY_POLICIES:
+        raise ValueError(f"unknown replay policy {name!r}; choose one of {list(REPLAY_POLICIES)}")
+    return make_policy(name)
+
+
+def replay(
+    trace: Trace,
+    policy: EvictionPolicy | str,
+    capacity: int,
+    *,
+    block_size: int = 16,
+    name_agents: bool = True,
+    warmup: bool = False,
+    config: ScoutConfig | None = None,
+) -> ReplayResult:
+    """Replay `trace` through a `capacity`-block pool under `policy`.
+
+    name_agents=False hides agent names from the pool, as an engine without a framework sees it
+    (the Survival policy then fingerprints prompts). warmup=True runs the warm-up coordinator.
+    """
+    needed = trace.max_request_blocks(block_size)
+    if capacity < needed:
+        raise CapacityError(
+            f"capacity {capacity} blocks is smaller than one call: the largest request of this trace caches "
+            f"{needed} blocks of {block_size} tokens"
+        )
+    label = policy if isinstance(policy, str) else policy.name
+    if isinstance(policy, str):
+        policy = make_replay_policy(policy, trace, block_size, config)
+    pool = BlockPool(capacity, block_size, policy)
+    coordinator = None
+    if warmup:
+        if not isinstance(policy, SurvivalPolicy):
+            raise ValueError(f"warm-up needs the Survival policy's transition learner, got policy {label!r}")
+        coordinator = WarmupCoordinator(policy.learner, policy.config, min_prefix=block_size)
+
+    prompt_tokens = cached_tokens = warmups = warmup_tokens = 0
+    for request in trace:
+        agent = request.agent if name_agents else None
+        pool.begin_request(request.prompt, agent, session=request.session)
+        hit = _serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
+        pool.end_request()
+        prompt_tokens += len(request.prompt)
+        cached_tokens += hit
+
+        if coordinator is not None:
+            coordinator.observe(policy.identify(Dispatch(request.prompt, agent)), request.prompt, request.prefix_len)
+            plan = coordinator.next_warmup(
+                request.session, lambda prefix: len(pool.match(prefix)) == len(prefix) // block_size
+            )
+            if plan is not None:
+                pool.begin_request(plan.prefix, plan.agent if name_agents else None, warmup=True)
+                _serve(pool, plan.prefix, len(plan.prefix), count=False)
+                pool.end_request()
+                warmups += 1
+                warmup_tokens += len(plan.prefix)
+    return ReplayResult(label, capacity, len(trace), prompt_tokens, cached_tokens, pool.stats.evictions,
+                        warmups, warmup_tokens)
+
+
+def _serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bool) -> int:
+    """One request's pool traffic; returns its cached prompt tokens."""
+    bs = pool.block_size
+    chain = pool.match(tokens[: max(0, prompt_len - 1)])
+    pool.acquire(chain, hit=count)
+    held = list(chain)
+    try:
+        full = len(tokens) // bs
+        missing = full - len(chain)
+        if missing > pool.num_free:
+            pool.evict(min(missing - pool.num_free, pool.num_evictable))
+        parent = chain[-1] if chain else None
+        for index in range(len(chain), full):
+            if not pool.num_free:
+                break  # blocks in use are never evicted: caching stops instead
+            block = pool.store(parent, tokens[index * bs : (index + 1) * bs])
+            held.append(block)
+            parent = block
+        return len(chain) * bs
+    finally:
+        pool.release(held)

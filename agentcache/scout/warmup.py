@@ -1,0 +1,82 @@
+"""Warm-up coordinator: between calls, prefill the predicted next agent's prefix (CacheScout Sec. 3.4).
+
+It decides; the caller (the runtime, or a trace replay) executes the warm-up as a request that
+generates at most one token and is marked `warmup`, so it never counts as a dispatch. A warm-up
+is planned only when execution is predictable enough (R >= R_min, Eq. 11), at most once every
+`warmup_min_gap` dispatches, for an agent whose prefix is known and not already cached.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from agentcache.scout.config import ScoutConfig
+from agentcache.scout.learner import TransitionLearner
+
+__all__ = ["Warmup", "WarmupCoordinator"]
+
+
+@dataclass(frozen=True)
+class Warmup:
+    agent: str
+    prefix: tuple[int, ...]  # the agent's fixed prefix: prefill it, generate at most one token
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class WarmupCoordinator:
+    def __init__(self, learner: TransitionLearner, config: ScoutConfig | None = None, *, min_prefix: int = 1) -> None:
+        self.learner = learner
+        self.config = config or ScoutConfig()
+        self.min_prefix = min_prefix  # shorter prefixes are not worth a request
+        self.prefixes: dict[str, tuple[int, ...]] = {}
+        self._confirmed: set[str] = set()  # agents whose prefix was declared or seen twice
+        self._last_dispatch = -(10**9)
+        self.outcomes: Counter[str] = Counter()  # issued, unpredictable, rate_limited, unknown_prefix, cached
+
+    def observe(self, agent: str, prompt: Sequence[int], prefix_len: int = 0) -> None:
+        """Learn `agent`'s prefix: declared (prefix_len > 0), else the common prefix of its prompts."""
+        if prefix_len > 0:
+            self.prefixes[agent] = tuple(prompt[:prefix_len])
+            self._confirmed.add(agent)
+            return
+        known = self.prefixes.get(agent)
+        if known is None:
+            self.prefixes[agent] = tuple(prompt)
+        else:
+            self.prefixes[agent] = known[: _common_prefix(known, prompt)]
+            self._confirmed.add(agent)
+
+    def next_warmup(
+        self, session: str | None = None, is_cached: Callable[[Sequence[int]], bool] | None = None
+    ) -> Warmup | None:
+        """The warm-up to run now, or None (the reason is counted in `outcomes`).
+
+        `is_cached(prefix)` says whether the cache already holds all it can of that prefix."""
+        dispatches = self.learner.dispatches
+        if dispatches - self._last_dispatch < self.config.warmup_min_gap:
+            self.outcomes["rate_limited"] += 1
+            return None
+        if self.learner.predictability() < self.config.r_min:
+            self.outcomes["unpredictable"] += 1
+            return None
+        agent = self.learner.predict(session=session)
+        prefix = self.prefixes.get(agent) if agent is not None else None
+        if prefix is None or agent not in self._confirmed or len(prefix) < self.min_prefix:
+            self.outcomes["unknown_prefix"] += 1
+            return None
+        if is_cached is not None and is_cached(prefix):
+            self.outcomes["cached"] += 1
+            return None
+        self._last_dispatch = dispatches
+        self.outcomes["issued"] += 1
+        return Warmup(agent, prefix)

@@ -1,0 +1,226 @@
+"""Multi-agent workload traces: the format, a generator, and file I/O.
+
+A trace is the stream of requests an engine sees: who calls (agent, session), the prompt's
+token ids, the tokens generated, and how many leading prompt tokens are the agent's fixed
+prefix (system prompt and tools; what a warm-up prefills). Traces come from the generator
+below or from real runs of the runtime (`agentcache.scout.recorder`).
+
+The generator follows the CacheScout paper's setting: six agents with fixed prefixes, sessions
+that each answer one user query in a group chat (every agent reads the query and the whole
+conversation so far, so a session's history grows by one output per turn), several sessions
+running concurrently with their turns interleaved, and four coordination topologies:
+pipeline (a fixed chain through all six agents), debate (a coder-reviewer exchange adjudicated
+by a judge), selector (the next agent picked by an LLM, modelled by a routing matrix with a few
+likely edges per agent) and random (any other agent, uniformly).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from agentcache.errors import TraceError
+
+__all__ = ["TraceRequest", "Trace", "WorkloadSpec", "generate", "TOPOLOGIES", "AGENTS"]
+
+AGENTS = ("planner", "researcher", "coder", "reviewer", "judge", "writer")
+
+# next-agent probabilities per topology, over AGENTS (rows need not sum to 1; they are normalized)
+_ROUTING: dict[str, dict[str, dict[str, float]]] = {
+    "debate": {
+        "planner": {"coder": 0.9, "researcher": 0.1},
+        "researcher": {"coder": 0.9, "planner": 0.1},
+        "coder": {"reviewer": 0.95, "judge": 0.05},
+        "reviewer": {"coder": 0.75, "judge": 0.25},
+        "judge": {"coder": 0.6, "writer": 0.3, "planner": 0.1},
+        "writer": {"planner": 0.9, "researcher": 0.1},
+    },
+    "selector": {
+        "planner": {"researcher": 0.5, "coder": 0.4, "writer": 0.1},
+        "researcher": {"planner": 0.65, "coder": 0.3, "writer": 0.05},
+        "coder": {"reviewer": 0.7, "judge": 0.25, "planner": 0.05},
+        "reviewer": {"coder": 0.6, "planner": 0.3, "writer": 0.1},
+        "judge": {"coder": 0.6, "planner": 0.3, "reviewer": 0.1},
+        "writer": {"planner": 0.85, "reviewer": 0.15},
+    },
+}
+TOPOLOGIES = ("pipeline", "debate", "selector", "random")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    agent: str
+    session: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...] = ()
+    prefix_len: int = 0  # leading prompt tokens that are the agent's fixed prefix; 0: unknown
+
+    def to_json(self) -> dict[str, Any]:
+        return {"agent": self.agent, "session": self.session, "prompt": list(self.prompt),
+                "output": list(self.output), "prefix_len": self.prefix_len}
+
+
+@dataclass
+class Trace:
+    agents: tuple[str, ...]
+    requests: list[TraceRequest]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.agents = tuple(self.agents)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise TraceError naming the first problem: unknown agents, empty or bad prompts, ..."""
+        if not self.agents or len(set(self.agents)) != len(self.agents):
+            raise TraceError(f"a trace lists each of its agents once, got {list(self.agents)}")
+        known = set(self.agents)
+        for i, r in enumerate(self.requests):
+            if r.agent not in known:
+                raise TraceError(f"request {i} is by unknown agent {r.agent!r}; the trace's agents are {list(self.agents)}")
+            if not r.prompt:
+                raise TraceError(f"request {i} ({r.agent}) has an empty prompt")
+            for name, ids in (("prompt", r.prompt), ("output", r.output)):
+                bad = next((t for t in ids if type(t) is not int or t < 0), None)
+                if bad is not None:
+                    raise TraceError(f"request {i} ({r.agent}): {name} token id {bad!r} is not a non-negative int")
+            if not 0 <= r.prefix_len <= len(r.prompt):
+                raise TraceError(f"request {i} ({r.agent}): prefix_len {r.prefix_len} outside its {len(r.prompt)}-token prompt")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+    def cached_tokens(self, request: TraceRequest) -> tuple[int, ...]:
+        """What an engine caches for a request: the prompt and every generated token it fed back."""
+        return request.prompt + request.output[:-1]
+
+    def max_request_blocks(self, block_size: int) -> int:
+        return max((len(self.cached_tokens(r)) // block_size for r in self.requests), default=0)
+
+    def save(self, path: str | Path) -> None:
+        """JSON lines: a header with the agents and metadata, then one request per line."""
+        with open(path, "w") as f:
+            f.write(json.dumps({"agents": list(self.agents), "meta": self.meta}) + "\n")
+            for r in self.requests:
+                f.write(json.dumps(r.to_json()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        lines = Path(path).read_text().splitlines()
+        if not lines:
+            raise TraceError(f"{path}: empty trace file")
+        try:
+            header = json.loads(lines[0])
+            requests = []
+            for number, line in enumerate(lines[1:], start=2):
+                d = json.loads(line)
+                requests.append(TraceRequest(d["agent"], d["session"], tuple(d["prompt"]),
+                                             tuple(d.get("output", ())), d.get("prefix_len", 0)))
+            return cls(tuple(header["agents"]), requests, header.get("meta", {}))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise TraceError(f"{path}: not a trace file ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    topology: str = "selector"
+    num_agents: int = 6  # the first six use AGENTS and the topology's routing; more are named agent6, ...
+    sessions: int = 24
+    concurrent: int = 4  # sessions whose turns interleave
+    turns: int = 12  # agent turns per session
+    prefix_tokens: tuple[int, int] = (256, 640)  # each agent's fixed prefix length, drawn in this range
+    query_tokens: int = 64
+    output_tokens: int = 48  # per turn: the session history grows by this much
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {self.topology!r}; choose one of {list(TOPOLOGIES)}")
+        if self.num_agents < 2:
+            raise ValueError(f"a multi-agent workload needs at least 2 agents, got {self.num_agents}")
+        for name in ("sessions", "concurrent", "turns", "query_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WorkloadSpec.{name} must be at least 1, got {getattr(self, name)}")
+        low, high = self.prefix_tokens
+        if not 1 <= low <= high:
+            raise ValueError(f"prefix_tokens must be a range 1 <= low <= high, got {self.prefix_tokens}")
+
+
+def _agent_names(n: int) -> tuple[str, ...]:
+    return AGENTS[:n] + tuple(f"agent{i}" for i in range(len(AGENTS), n))
+
+
+def _routing(spec: WorkloadSpec, agents: Sequence[str], rng: random.Random) -> list[list[float]]:
+    """Row-normalized next-agent matrix over `agents` for the spec's topology."""
+    n = len(agents)
+    if spec.topology == "pipeline":
+        return [[1.0 if j == (i + 1) % n else 0.0 for j in range(n)] for i in range(n)]
+    if spec.topology == "random":
+        return [[0.0 if j == i else 1.0 / (n - 1) for j in range(n)] for i in range(n)]
+    table = _ROUTING[spec.topology]
+    rows = []
+    for i, a in enumerate(agents):
+        if a in table:
+            row = [table[a].get(b, 0.0) for b in agents]
+        else:  # agents beyond the six: two likely successors of their own, drawn once
+            row = [0.0] * n
+            first, second = rng.sample([j for j in range(n) if j != i], 2)
+            row[first], row[second] = 0.7, 0.3
+        total = sum(row)
+        rows.append([p / total for p in row])
+    return rows
+
+
+class _Tokens:
+    """Fresh token ids: each piece of content gets ids no other piece uses."""
+
+    def __init__(self) -> None:
+        self.next = 1000
+
+    def take(self, n: int) -> tuple[int, ...]:
+        ids = tuple(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def generate(spec: WorkloadSpec) -> Trace:
+    """A deterministic trace (same spec, same trace) of `spec.sessions` sessions, `spec.concurrent` at a time."""
+    rng = random.Random(spec.seed)
+    agents = _agent_names(spec.num_agents)
+    routing = _routing(spec, agents, rng)
+    tokens = _Tokens()
+    prefixes = [tokens.take(rng.randint(*spec.prefix_tokens)) for _ in agents]
+    first_agent = 0
+
+    def session_steps(number: int) -> Iterator[TraceRequest]:
+        name = f"s{number}"
+        history: tuple[int, ...] = tokens.take(spec.query_tokens)  # the user query opens the conversation
+        agent = first_agent if spec.topology != "random" else rng.randrange(len(agents))
+        for _ in range(spec.turns):
+            output = tokens.take(spec.output_tokens)
+            yield TraceRequest(agents[agent], name, prefixes[agent] + history, output, len(prefixes[agent]))
+            history = history + output
+            agent = rng.choices(range(len(agents)), weights=routing[agent])[0]
+
+    requests: list[TraceRequest] = []
+    started = 0
+    running: list[Iterator[TraceRequest]] = []
+    while started < spec.sessions or running:
+        while len(running) < spec.concurrent and started < spec.sessions:
+            running.append(session_steps(started))
+            started += 1
+        session = rng.choice(running)  # the next turn comes from any running session
+        step = next(session, None)
+        if step is None:
+            running.remove(session)
+        else:
+            requests.append(step)
+    meta = {"generator": "agentcache.scout.workloads", **{k: getattr(spec, k) for k in spec.__dataclass_fields__}}
+    meta["prefix_tokens"] = list(spec.prefix_tokens)
+    return Trace(agents, requests, meta)
