@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +26,11 @@ from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
 from agentcache.errors import KVShapeError, PlanError, RopeAlignmentError
 from agentcache.metrics import CallResult, SegmentReport, summarize
+from agentcache.scout.config import ScoutConfig
+from agentcache.scout.learner import TransitionLearner
+from agentcache.scout.policies import SurvivalPolicy
+from agentcache.scout.recorder import TraceRecorder
+from agentcache.scout.warmup import Warmup, WarmupCoordinator
 from agentcache.segments import AgentCall, Segment, output_slot
 
 __all__ = ["Runtime", "RuntimeConfig"]
@@ -39,12 +44,16 @@ class RuntimeConfig:
     store_bytes: int = 2**30  # materialized shared-segment caches (chain sources)
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
     keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
+    warmup: bool = False  # between calls, prefill the predicted next agent's prefix (CacheScout)
+    scout: ScoutConfig = field(default_factory=ScoutConfig)  # warm-up gate and rate limit
 
     def __post_init__(self) -> None:
         for name in ("anchor_bytes", "store_bytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.scout, ScoutConfig):
+            raise ValueError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
 
 
 @dataclass
@@ -66,6 +75,7 @@ class Runtime:
         strategy: str | Strategy = "kvcmas",
         config: RuntimeConfig | None = None,
         check: Any = None,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         if engine is None:
             from agentcache.engine.embedded import EmbeddedEngine
@@ -85,6 +95,19 @@ class Runtime:
         self._last_output: dict[str, str] = {}
         self._id = uuid.uuid4().hex[:12]
         self._lock = threading.RLock()
+        self.recorder = recorder
+        self._own_learner: TransitionLearner | None = None
+        self.warmups = self._warmup_coordinator() if self.config.warmup else None
+        self._warmup_thread: threading.Thread | None = None
+        self.warmup_faults = 0
+
+    def _warmup_coordinator(self) -> WarmupCoordinator:
+        """Shares the learner of the engine's Survival policy; any other policy gets a learner of its own."""
+        policy = getattr(getattr(self.engine, "pool", None), "policy", None)
+        if isinstance(policy, SurvivalPolicy):
+            return WarmupCoordinator(policy.learner, self.config.scout, min_prefix=self.engine.block_size)
+        self._own_learner = TransitionLearner(self.config.scout.smoothing, max_agents=self.config.scout.max_agents)
+        return WarmupCoordinator(self._own_learner, self.config.scout, min_prefix=self.engine.block_size)
 
     def _vet(self, strategy: Strategy) -> Strategy:
         """Refuse cross-context reuse on a model that fails the self-check: run NonShared instead."""
@@ -114,7 +137,44 @@ class Runtime:
             raise TypeError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
         sampling = sampling or SamplingParams()
         with self._lock, torch.inference_mode():
-            return self._run(call, sampling)
+            result = self._run(call, sampling)
+        if self.warmups is not None:
+            self._schedule_warmup(call.session)
+        return result
+
+    # --- warm-up (CacheScout) --------------------------------------------------------------
+
+    def _schedule_warmup(self, session: str | None) -> None:
+        """Plan a warm-up after a call and run it on a background thread (off the call's TTFT;
+        a call arriving meanwhile waits for it, and that wait is in its TTFT)."""
+        self.wait_warmup()
+        engine = self.engine
+        def is_cached(prefix: Sequence[int]) -> bool:
+            servable = (len(prefix) - 1) // engine.block_size * engine.block_size  # what a hit can cover
+            return engine.cached_prefix_length(prefix) >= servable
+
+        plan = self.warmups.next_warmup(session, is_cached)
+        if plan is None:
+            return
+        self._warmup_thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup", daemon=True)
+        self._warmup_thread.start()
+
+    def _warm(self, plan: Warmup) -> None:
+        request = ExecRequest([SegmentPlan(f"warmup:{plan.agent}", list(plan.prefix), Step.PREFIX)],
+                              SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False)
+        try:
+            with self._lock, torch.inference_mode():
+                self.engine.execute(request)
+        except Exception as exc:  # a failed warm-up costs a future hit, never a call
+            self.warmup_faults += 1
+            log.warning("warm-up of agent %r failed: %s", plan.agent, exc)
+
+    def wait_warmup(self) -> None:
+        """Block until a running warm-up has finished."""
+        thread = self._warmup_thread
+        if thread is not None:
+            thread.join()
+            self._warmup_thread = None
 
     def output_segment(self, agent: str) -> Segment:
         """A PH segment holding `agent`'s latest output, for another agent's call."""
@@ -183,7 +243,7 @@ class Runtime:
             pos = end
 
         try:
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent))
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session))
         except (KVShapeError, RopeAlignmentError) as exc:
             if not any(p.plan.step is Step.INJECT for p in pieces):
                 raise
@@ -193,7 +253,7 @@ class Runtime:
                 if decision.reused:
                     decisions[index] = PHDecision("fallback", reason="engine_rejected")
             pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent))
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session))
         first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
         ttft = first_token - started
 
@@ -214,6 +274,17 @@ class Runtime:
             engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )
         self.results.append(outcome)
+        prefix_len = 0
+        for seg, tokens in zip(segments, token_lists):
+            if seg.kind != "pf":
+                break
+            prefix_len += len(tokens)
+        if self.warmups is not None:
+            if self._own_learner is not None:  # the engine's policy does not learn dispatches itself
+                self._own_learner.observe(agent, call.session)
+            self.warmups.observe(agent, prompt, prefix_len)
+        if self.recorder is not None:
+            self.recorder.record(agent, call.session, prompt, result.token_ids, prefix_len)
         return outcome
 
     def _commit(
@@ -266,6 +337,9 @@ class Runtime:
             store_entries=len(store),
             anchor_build_s=self.corrector.anchor_build_s,
             faults=dict(self.corrector.fallbacks),
+            eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
+            warmups=dict(self.warmups.outcomes) if self.warmups is not None else None,
+            warmup_faults=self.warmup_faults,
         )
         return figures
 

@@ -270,6 +270,17 @@ class BlockPool:
             self.evict(1)
         return self._free_ids.pop()
 
+    def reserve(self, num_blocks: int) -> int:
+        """Free room for `num_blocks` new blocks in one eviction pass, as far as unreferenced blocks
+        allow; returns the free blocks now. Storing block by block would instead run one pass
+        (a scan of every candidate) per block."""
+        short = num_blocks - self.num_free
+        if short > 0:
+            evictable = self.num_evictable
+            if evictable:
+                self.evict(min(short, evictable))
+        return self.num_free
+
     def evict(self, num_blocks: int) -> list[Block]:
         """Free `num_blocks` blocks, lowest policy priority first, leaves before their parents."""
         if num_blocks > self.num_evictable:

@@ -220,12 +220,15 @@ class EmbeddedEngine:
             if seg.step is not Step.PREFIX:
                 break
             lead += len(seg.token_ids)
-        if self.config.prefix_caching:
+        counted = self.config.prefix_caching and not request.warmup
+        if counted:
             self.pool.stats.lookups += 1
             self.pool.stats.lookup_blocks += lead // bs
+        if self.config.prefix_caching:
+            self.pool.begin_request(prompt, request.owner, session=request.session, warmup=request.warmup)
         chain = self.pool.match(prompt[:lead], request.lineage) if self.config.prefix_caching else []
         chain = chain[: (len(prompt) - 1) // bs]  # the last prompt token is always computed for its logits
-        self.pool.acquire(chain)
+        self.pool.acquire(chain, hit=counted)
         held: list[Block] = list(chain)
         try:
             cache = CallCache(self.layout, len(prompt) + sampling.max_tokens, torch.device(self.config.device))
@@ -268,6 +271,8 @@ class EmbeddedEngine:
             )
         finally:
             self.pool.release(held)
+            if self.config.prefix_caching:
+                self.pool.end_request()
 
     def _materialize(
         self,
@@ -378,6 +383,7 @@ class EmbeddedEngine:
         bs = self.block_size
         parent = chain[-1] if chain else None
         full_blocks = len(token_ids) // bs  # token_ids are exactly the tokens the call cache holds
+        self.pool.reserve(full_blocks - len(chain))
         for index in range(len(chain), full_blocks):
             begin, end = index * bs, (index + 1) * bs
             approximate = first_approx is not None and end > first_approx

@@ -94,13 +94,15 @@ class ExecRequest:
     segments: Sequence[SegmentPlan]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     lineage: str | None = None  # salt for caching approximate KV; None: approximate KV is not cached
-    owner: str | None = None  # who runs the call (an agent name), recorded on stored blocks
+    owner: str | None = None  # who runs the call (an agent name): the eviction policy's dispatch event
+    session: str | None = None  # the workflow run it belongs to, for agent-aware eviction
+    warmup: bool = False  # a background warm-up: caches the prompt, counts as no hit and no dispatch
     capture_kv: bool = True  # hand back each segment's KV (copies)
 
     def __post_init__(self) -> None:
         if not self.segments:
             raise PlanError("a call needs at least one segment")
-        for name in ("lineage", "owner"):
+        for name in ("lineage", "owner", "session"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise PlanError(f"{name} must be a non-empty string or None, got {value!r}")

@@ -119,9 +119,7 @@ def _serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bo
     held = list(chain)
     try:
         full = len(tokens) // bs
-        missing = full - len(chain)
-        if missing > pool.num_free:
-            pool.evict(min(missing - pool.num_free, pool.num_evictable))
+        pool.reserve(full - len(chain))
         parent = chain[-1] if chain else None
         for index in range(len(chain), full):
             if not pool.num_free:

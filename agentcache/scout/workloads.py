@@ -130,7 +130,7 @@ class Trace:
 @dataclass(frozen=True)
 class WorkloadSpec:
     topology: str = "selector"
-    num_agents: int = 6  # the first six use AGENTS and the topology's routing; more are named agent6, ...
+    num_agents: int = 6  # six: AGENTS with the topology's routing; other sizes get a drawn routing
     sessions: int = 24
     concurrent: int = 4  # sessions whose turns interleave
     turns: int = 12  # agent turns per session
@@ -163,18 +163,17 @@ def _routing(spec: WorkloadSpec, agents: Sequence[str], rng: random.Random) -> l
         return [[1.0 if j == (i + 1) % n else 0.0 for j in range(n)] for i in range(n)]
     if spec.topology == "random":
         return [[0.0 if j == i else 1.0 / (n - 1) for j in range(n)] for i in range(n)]
-    table = _ROUTING[spec.topology]
-    rows = []
-    for i, a in enumerate(agents):
-        if a in table:
-            row = [table[a].get(b, 0.0) for b in agents]
-        else:  # agents beyond the six: two likely successors of their own, drawn once
+    if n == len(AGENTS):
+        table = _ROUTING[spec.topology]
+        rows = [[table[a].get(b, 0.0) for b in agents] for a in agents]
+    else:  # other team sizes: a likely next agent along a cycle (so every agent runs) and two drawn ones
+        rows = []
+        for i in range(n):
             row = [0.0] * n
-            first, second = rng.sample([j for j in range(n) if j != i], 2)
-            row[first], row[second] = 0.7, 0.3
-        total = sum(row)
-        rows.append([p / total for p in row])
-    return rows
+            second, third = rng.sample([j for j in range(n) if j not in (i, (i + 1) % n)], 2)
+            row[(i + 1) % n], row[second], row[third] = 0.5, 0.3, 0.2
+            rows.append(row)
+    return [[p / sum(row) for p in row] for row in rows]
 
 
 class _Tokens:
