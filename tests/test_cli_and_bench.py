@@ -63,6 +63,15 @@ def test_readme_runtime_snippet_runs():
     assert rt.summary()["calls"] == 3 and rt.strategy.name == "kvcmas"
 
 
+def test_readme_scout_snippet_runs():
+    namespace = _run_snippet(_readme_snippets()[2])
+    rt, engine, trace = namespace["rt"], namespace["engine"], namespace["trace"]
+    assert engine.pool.policy.name == "survival" and engine.pool.policy.learner.dispatches == 9
+    assert engine.pool.policy.learner.predict("planner") == "local"
+    assert len(trace) == 9 and trace.agents == ("planner", "local", "summary")
+    assert sum(rt.summary()["warmups"].values()) == 9  # one decision after every call
+
+
 def _quick(script: str, *extra: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra],
@@ -102,3 +111,27 @@ def test_ttft_bench_quick_reports_speedups():
     assert result["speedup_vs_nonshared"]["nonshared"] == 1.0
     assert result["speedup_vs_nonshared"]["kvcmas"] > 1.0
     assert result["chained_vs_nonchained_ttft_ratio"] > 0
+
+
+def test_hit_rate_bench_quick_reports_every_topology_and_policy():
+    result = _quick("hit_rate.py")
+    policies = {"lru", "ttl", "survival", "survival_prefetch", "belady"}
+    assert set(result["topologies"]) == set(result["gap_closed"]) == {"pipeline", "debate", "selector", "random"}
+    for rates in result["topologies"].values():
+        assert set(rates) == policies and all(0 <= v <= 1 for v in rates.values())
+        assert rates["belady"] >= rates["lru"]
+    assert result["topologies"]["selector"]["survival"] > result["topologies"]["selector"]["lru"]
+
+
+def test_scout_overhead_bench_quick_reports_its_keys():
+    result = _quick("scout_overhead.py")
+    assert set(result["survival_refresh_us"]) == {"6", "12", "24"}
+    assert 0 < result["observe_touch_us"] < 100 and 0 < result["state_bytes_24"] < 10**6
+
+
+@pytest.mark.slow
+def test_scout_ttft_bench_quick_compares_survival_with_lru():
+    result = _quick("scout_ttft.py")
+    assert set(result["mean_ttft_s"]) == {"lru", "survival", "survival_prefetch"}
+    assert result["hit_rate"]["survival"] > result["hit_rate"]["lru"]
+    assert result["warmups"]["issued"] > 0 and result["ttft_ratio_survival_vs_lru"] > 0

@@ -249,7 +249,13 @@ class BlockPool:
             return existing
         if existing is not None:
             raise BlockCollision(f"hash of block after {parent and parent.block_id} collides with block {existing.block_id}")
-        block_id = self._allocate_id()
+        if parent is not None:
+            parent.ref_count += 1  # making room must not evict the block we are about to chain to
+        try:
+            block_id = self._allocate_id()
+        finally:
+            if parent is not None:
+                parent.ref_count -= 1
         if self.key_storage is not None:
             self.key_storage[block_id] = keys
             self.value_storage[block_id] = values

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -119,6 +119,8 @@ class EmbeddedEngine:
                 f"with_config shares this engine's weights on '{self.config.device}'; "
                 f"build a new EmbeddedEngine for device '{config.device}'"
             )
+        if isinstance(config.eviction, EvictionPolicy):  # a policy object serves one pool: give a fresh one
+            config = replace(config, eviction=config.eviction.fresh())
         return EmbeddedEngine(self.loaded, config)
 
     # --- text ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ lives in the policy. The agent-aware policies (TTL pinning, Survival, Belady) li
 `agentcache.scout.policies` and register themselves in `EVICTION_POLICIES`.
 
 Hooks the pool calls, all O(1) per block:
-  attach(capacity, block_size)   once, when the pool is built
+  attach(capacity, block_size)   once, when the pool is built (`fresh()` gives a policy for another pool)
   begin_request(dispatch)        a request starts (who runs it, its prompt, warm-up or not)
   touch(block)                   the current request acquired or stored `block`
   end_request()                  the current request finished
@@ -42,6 +42,10 @@ class EvictionPolicy:
 
     def priority(self, block: "Block") -> Any:
         raise NotImplementedError
+
+    def fresh(self) -> "EvictionPolicy":
+        """A new policy with the same settings and no state, for another pool."""
+        return type(self)()
 
     def attach(self, capacity: int, block_size: int) -> None:
         pass

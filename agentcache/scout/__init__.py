@@ -12,6 +12,7 @@ recorder.py   traces from real runs of the runtime
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner, prompt_fingerprint
 from agentcache.scout.policies import BeladyPolicy, SurvivalPolicy, TTLPolicy
+from agentcache.scout.recorder import TraceRecorder
 from agentcache.scout.replay import REPLAY_POLICIES, ReplayResult, replay
 from agentcache.scout.scorer import SurvivalScorer
 from agentcache.scout.warmup import Warmup, WarmupCoordinator
@@ -19,6 +20,6 @@ from agentcache.scout.workloads import AGENTS, TOPOLOGIES, Trace, TraceRequest, 
 
 __all__ = [
     "AGENTS", "BeladyPolicy", "REPLAY_POLICIES", "ReplayResult", "ScoutConfig", "SurvivalPolicy", "SurvivalScorer",
-    "TOPOLOGIES", "TTLPolicy", "Trace", "TraceRequest", "TransitionLearner", "Warmup", "WarmupCoordinator",
+    "TOPOLOGIES", "TTLPolicy", "Trace", "TraceRecorder", "TraceRequest", "TransitionLearner", "Warmup", "WarmupCoordinator",
     "WorkloadSpec", "generate", "prompt_fingerprint", "replay",
 ]

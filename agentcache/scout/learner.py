@@ -81,6 +81,7 @@ class TransitionLearner:
         self.dispatches += 1
         if index is None:
             self.untracked += 1
+            self.last_session_agent.pop(session, None)  # the next agent did not follow the previous one
             return None
         previous = self.last_session_agent.pop(session, None)
         if previous is not None:
@@ -103,12 +104,18 @@ class TransitionLearner:
         return [(c + eps) / denominator for c in self.counts[i]]
 
     def predict(self, agent: str | None = None, session: str | None = None) -> str | None:
-        """The most likely next agent after `agent` (default: the session's current one), Eq. 5.
+        """The most likely next agent after `agent` (default: the session's current one, or the last
+        dispatched agent for a session not tracked), Eq. 5.
 
         None when that agent is unknown or has never been followed by anyone. Ties go to the
         agent registered first, so the answer is deterministic.
         """
-        i = self.index.get(agent) if agent is not None else self.last_session_agent.get(session)
+        if agent is not None:
+            i = self.index.get(agent)
+        elif session in self.last_session_agent:
+            i = self.last_session_agent[session]
+        else:  # a session the learner does not track (e.g. all dispatches learned as one stream): the last agent
+            i = next(reversed(self.last_session_agent.values()), None)
         if i is None or self.row_totals[i] == 0:
             return None
         row = self.counts[i]

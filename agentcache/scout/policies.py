@@ -49,6 +49,9 @@ class TTLPolicy(_AttachOnce):
         self.step = 0
         self._touched: list[int] = []
 
+    def fresh(self) -> "TTLPolicy":
+        return TTLPolicy(self.ttl)
+
     def attach(self, capacity: int, block_size: int) -> None:
         super().attach(capacity, block_size)
         self.pinned_until = array("l", [0] * capacity)
@@ -106,6 +109,9 @@ class SurvivalPolicy(_AttachOnce):
         self.current = -1  # index of the agent whose request runs now; -1: unknown
         self.session: str | None = None
         self.warmups = 0
+
+    def fresh(self) -> "SurvivalPolicy":
+        return SurvivalPolicy(self.config)
 
     def attach(self, capacity: int, block_size: int) -> None:
         super().attach(capacity, block_size)
@@ -194,6 +200,11 @@ class BeladyPolicy(_AttachOnce):
                     uses.append(step)
         self.expected_block_size = block_size
         self.step = 0
+
+    def fresh(self) -> "BeladyPolicy":
+        copy = BeladyPolicy((), self.expected_block_size)
+        copy.uses, copy.requests = self.uses, self.requests  # read-only after construction
+        return copy
 
     def attach(self, capacity: int, block_size: int) -> None:
         if block_size != self.expected_block_size:

@@ -75,10 +75,18 @@ class Trace:
 
     def validate(self) -> None:
         """Raise TraceError naming the first problem: unknown agents, empty or bad prompts, ..."""
-        if not self.agents or len(set(self.agents)) != len(self.agents):
+        if not self.agents or any(not isinstance(a, str) or not a for a in self.agents):
+            raise TraceError(f"a trace names its agents with non-empty strings, got {list(self.agents)}")
+        if len(set(self.agents)) != len(self.agents):
             raise TraceError(f"a trace lists each of its agents once, got {list(self.agents)}")
         known = set(self.agents)
         for i, r in enumerate(self.requests):
+            if not isinstance(r, TraceRequest):
+                raise TraceError(f"request {i} is a {type(r).__name__}, not a TraceRequest")
+            if not isinstance(r.agent, str) or not isinstance(r.session, str):
+                raise TraceError(f"request {i}: agent and session must be strings, got {r.agent!r}, {r.session!r}")
+            if type(r.prefix_len) is not int:
+                raise TraceError(f"request {i} ({r.agent}): prefix_len must be an int, got {r.prefix_len!r}")
             if r.agent not in known:
                 raise TraceError(f"request {i} is by unknown agent {r.agent!r}; the trace's agents are {list(self.agents)}")
             if not r.prompt:
@@ -115,16 +123,20 @@ class Trace:
         lines = Path(path).read_text().splitlines()
         if not lines:
             raise TraceError(f"{path}: empty trace file")
+        number = 1
         try:
             header = json.loads(lines[0])
             requests = []
-            for number, line in enumerate(lines[1:], start=2):
+            for number, line in enumerate(lines[1:], start=2):  # noqa: B007 (named in the error)
                 d = json.loads(line)
                 requests.append(TraceRequest(d["agent"], d["session"], tuple(d["prompt"]),
                                              tuple(d.get("output", ())), d.get("prefix_len", 0)))
-            return cls(tuple(header["agents"]), requests, header.get("meta", {}))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise TraceError(f"{path}: not a trace file ({type(exc).__name__}: {exc})") from None
+            if not isinstance(header["agents"], list):
+                raise TypeError(f"'agents' must be a list of names, got {header['agents']!r}")
+            agents, meta = tuple(header["agents"]), header.get("meta", {})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise TraceError(f"{path}, line {number}: not a trace line ({type(exc).__name__}: {exc})") from None
+        return cls(agents, requests, meta)
 
 
 @dataclass(frozen=True)
