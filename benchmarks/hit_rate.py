@@ -39,8 +39,18 @@ ABLATION = {
 }
 
 
+def run(trace, policy: str, capacity: int, config: ScoutConfig):
+    return replay(trace, policy, capacity, warmup=policy == "survival_prefetch", config=config)
+
+
 def run_policy(trace, policy: str, capacity: int, config: ScoutConfig) -> float:
-    return replay(trace, policy, capacity, warmup=policy == "survival_prefetch", config=config).hit_rate
+    return run(trace, policy, capacity, config).hit_rate
+
+
+def warmup_cost(trace, capacity: int, config: ScoutConfig) -> float:
+    """Tokens the warm-ups prefilled, per prompt token served."""
+    result = run(trace, "survival_prefetch", capacity, config)
+    return result.warmup_tokens / result.prompt_tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,6 +84,10 @@ def main(argv: list[str] | None = None) -> dict:
         gap = rates["belady"] - rates["lru"]
         gap_closed[topo] = round((rates["survival"] - rates["lru"]) / gap, 3) if gap > 0 else None
 
+    warmup_tokens_per_prompt_token = {
+        topo: round(mean(warmup_cost(traces[topo, s], capacity[topo, s][0], config) for s in seeds), 4)
+        for topo in TOPOLOGIES
+    }
     predictability, fingerprint = {}, {}
     for topo in TOPOLOGIES:
         r_values, fp_rates = [], []
@@ -93,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gap_closed": gap_closed,
         "survival_minus_lru_points": {t: round(100 * (r["survival"] - r["lru"]), 1) for t, r in topologies.items()},
         "predictability_R": predictability,
+        "warmup_tokens_per_prompt_token": warmup_tokens_per_prompt_token,
         "survival_fingerprint_agents": fingerprint,
         "by_capacity": by_capacity,
         "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
@@ -109,17 +124,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def ablate(traces, capacity, seeds, config: ScoutConfig) -> dict:
-    """Each constant varied alone at the tightest capacity: survival (and with warm-up for r_min) hit rate."""
+    """Each constant varied alone at the tightest capacity: Survival's hit rate (with warm-up for
+    r_min, which also reports the warm-up tokens per prompt token as `<topology>_warmup_cost`)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, values in ABLATION.items():
         policy = "survival_prefetch" if name == "r_min" else "survival"
         out[name] = {}
         for value in values:
             varied = replace(config, **{name: value})
-            out[name][str(value)] = {
-                topo: round(mean(run_policy(traces[topo, s], policy, capacity[topo, s][0], varied) for s in seeds), 4)
-                for topo in ("selector", "random")
-            }
+            row = {}
+            for topo in ("selector", "random"):
+                results = [run(traces[topo, s], policy, capacity[topo, s][0], varied) for s in seeds]
+                row[topo] = round(mean(r.hit_rate for r in results), 4)
+                if name == "r_min":
+                    row[f"{topo}_warmup_cost"] = round(mean(r.warmup_tokens / r.prompt_tokens for r in results), 4)
+            out[name][str(value)] = row
     return out
 
 

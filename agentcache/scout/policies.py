@@ -38,7 +38,13 @@ class TTLPolicy(_AttachOnce):
     """Continuum-style pinning: when a request ends, the blocks it used stay pinned for `ttl`
     dispatches (the next turn of the same program is expected within that time). Unpinned
     blocks go first, least recently used first; pinned ones only when nothing else is left.
-    TTL counts dispatches, not seconds, so replays are deterministic."""
+    TTL counts dispatches, not seconds, so replays are deterministic.
+
+    In a pool that only orders evictions, this order is LRU's: the pinned blocks are exactly
+    those touched in the last `ttl` dispatches. Continuum's gain comes from its scheduler,
+    which keeps pinned KV unevictable and makes other requests wait; the block pool has no
+    such scheduler. The policy is kept as the baseline the issue names, and it measures as
+    LRU does."""
 
     name = "ttl"
 

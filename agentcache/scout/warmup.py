@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from agentcache.correction.store import common_prefix
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner
 
@@ -22,15 +23,6 @@ __all__ = ["Warmup", "WarmupCoordinator"]
 class Warmup:
     agent: str
     prefix: tuple[int, ...]  # the agent's fixed prefix: prefill it, generate at most one token
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class WarmupCoordinator:
@@ -53,7 +45,7 @@ class WarmupCoordinator:
         if known is None:
             self.prefixes[agent] = tuple(prompt)
         else:
-            self.prefixes[agent] = known[: _common_prefix(known, prompt)]
+            self.prefixes[agent] = known[: common_prefix(known, prompt)]
             self._confirmed.add(agent)
 
     def next_warmup(
