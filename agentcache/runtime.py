@@ -45,7 +45,9 @@ class RuntimeConfig:
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
     keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
     warmup: bool = False  # between calls, prefill the predicted next agent's prefix (CacheScout)
-    scout: ScoutConfig = field(default_factory=ScoutConfig)  # warm-up gate and rate limit
+    # the warm-up gate and rate limit (r_min, warmup_min_gap); the learning constants too when the
+    # engine's eviction policy is not Survival (Survival brings its own ScoutConfig)
+    scout: ScoutConfig = field(default_factory=ScoutConfig)
 
     def __post_init__(self) -> None:
         for name in ("anchor_bytes", "store_bytes"):
@@ -100,9 +102,14 @@ class Runtime:
         self.warmups = self._warmup_coordinator() if self.config.warmup else None
         self._warmup_thread: threading.Thread | None = None
         self.warmup_faults = 0
+        self.warmup_s = 0.0  # engine time spent warming up, off every call's critical path
 
-    def _warmup_coordinator(self) -> WarmupCoordinator:
-        """Shares the learner of the engine's Survival policy; any other policy gets a learner of its own."""
+    def _warmup_coordinator(self) -> WarmupCoordinator | None:
+        """Shares the learner of the engine's Survival policy; any other policy gets a learner of its
+        own (then `config.scout` sets its constants; with Survival the policy's own config does)."""
+        if not getattr(getattr(self.engine, "config", None), "prefix_caching", True):
+            log.warning("warm-up is off: the engine does not cache prefixes, so a warm-up could serve nothing")
+            return None
         policy = getattr(getattr(self.engine, "pool", None), "policy", None)
         if isinstance(policy, SurvivalPolicy):
             return WarmupCoordinator(policy.learner, self.config.scout, min_prefix=self.engine.block_size)
@@ -136,45 +143,64 @@ class Runtime:
         if not isinstance(call, AgentCall):
             raise TypeError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
         sampling = sampling or SamplingParams()
+        started = time.perf_counter()  # TTFT includes waiting for a call or warm-up holding the runtime
         with self._lock, torch.inference_mode():
-            result = self._run(call, sampling)
-        if self.warmups is not None:
-            self._schedule_warmup(call.session)
+            result = self._run(call, sampling, started)
+            if self.warmups is not None:
+                self._plan_warmup(call.session)
         return result
 
     # --- warm-up (CacheScout) --------------------------------------------------------------
 
-    def _schedule_warmup(self, session: str | None) -> None:
-        """Plan a warm-up after a call and run it on a background thread (off the call's TTFT;
-        a call arriving meanwhile waits for it, and that wait is in its TTFT)."""
-        self.wait_warmup()
-        engine = self.engine
-        def is_cached(prefix: Sequence[int]) -> bool:
-            servable = (len(prefix) - 1) // engine.block_size * engine.block_size  # what a hit can cover
-            return engine.cached_prefix_length(prefix) >= servable
-
-        plan = self.warmups.next_warmup(session, is_cached)
-        if plan is None:
+    def _plan_warmup(self, session: str | None) -> None:
+        """After a call, under the lock: plan a warm-up and start it on a background thread, where
+        it runs once the lock is free. A call arriving meanwhile waits (in its TTFT). Planning
+        faults are counted and logged: a warm-up never costs a call."""
+        if self._warmup_thread is not None and self._warmup_thread.is_alive():
+            self.warmups.outcomes["busy"] += 1  # the previous warm-up has not run yet
             return
-        self._warmup_thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup", daemon=True)
-        self._warmup_thread.start()
+        try:
+            plan = self.warmups.next_warmup(session, self._prefix_cached)
+        except Exception as exc:
+            self.warmup_faults += 1
+            log.warning("planning a warm-up failed: %s", exc)
+            return
+        if plan is not None:
+            self._warmup_thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup",
+                                                   daemon=True)
+            self._warmup_thread.start()
+
+    def _prefix_cached(self, prefix: Sequence[int]) -> bool:
+        servable = (len(prefix) - 1) // self.engine.block_size * self.engine.block_size  # what a hit can cover
+        return self.engine.cached_prefix_length(prefix) >= servable
 
     def _warm(self, plan: Warmup) -> None:
         request = ExecRequest([SegmentPlan(f"warmup:{plan.agent}", list(plan.prefix), Step.PREFIX)],
                               SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False)
         try:
             with self._lock, torch.inference_mode():
+                started = time.perf_counter()
                 self.engine.execute(request)
+                self.warmup_s += time.perf_counter() - started
         except Exception as exc:  # a failed warm-up costs a future hit, never a call
             self.warmup_faults += 1
             log.warning("warm-up of agent %r failed: %s", plan.agent, exc)
 
     def wait_warmup(self) -> None:
-        """Block until a running warm-up has finished."""
+        """Block until a planned warm-up has run. Do not call it while holding the runtime's lock."""
         thread = self._warmup_thread
         if thread is not None:
             thread.join()
-            self._warmup_thread = None
+
+    def close(self) -> None:
+        """Let a planned warm-up finish (call before exiting; warm-ups run on a daemon thread)."""
+        self.wait_warmup()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def output_segment(self, agent: str) -> Segment:
         """A PH segment holding `agent`'s latest output, for another agent's call."""
@@ -206,8 +232,7 @@ class Runtime:
                 ids.insert(0, [bos])
         return segments, ids
 
-    def _run(self, call: AgentCall, sampling: SamplingParams) -> CallResult:
-        started = time.perf_counter()
+    def _run(self, call: AgentCall, sampling: SamplingParams, started: float) -> CallResult:
         agent = call.agent
         lineage = self._lineage(call)
         segments, token_lists = self._tokenize(call)
@@ -340,6 +365,7 @@ class Runtime:
             eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
             warmups=dict(self.warmups.outcomes) if self.warmups is not None else None,
             warmup_faults=self.warmup_faults,
+            warmup_s=self.warmup_s,
         )
         return figures
 

@@ -3,9 +3,10 @@
 Generated traces (six agents, each with a fixed 256-640-token prefix; sessions that each
 answer a 64-token query in a group chat, 48 tokens of history per turn, 12 turns; 4 sessions
 interleaved) are replayed through the real block pool, without a model, under LRU, TTL pinning,
-Survival, Survival with warm-up, and Belady's offline optimum. Capacities are multiples of the
+Survival, Survival with warm-up, and Belady's rule (the offline bound). Capacities are multiples of the
 trace's largest request (in 16-token blocks); the tightest is 1.25x. Hit rate = cached prompt
-tokens / prompt tokens, averaged over seeds. `gap_closed` = (survival - lru) / (belady - lru).
+tokens / prompt tokens, averaged over seeds 100-102 (held out: the constants were chosen on
+seeds 0-2, which the ablation reports). `gap_closed` = (survival - lru) / (belady - lru).
 
 Also reported: the predictability R the learner measured per topology, Survival when agents
 are not named (identified by prompt fingerprint), and (full mode) an ablation of each
@@ -27,6 +28,7 @@ from agentcache.scout import TOPOLOGIES, ScoutConfig, SurvivalPolicy, WorkloadSp
 
 POLICIES = ("lru", "ttl", "survival", "survival_prefetch", "belady")
 CAPACITY_MULTIPLES = (1.25, 1.5, 2.0, 3.0)
+EVALUATION_SEED = 100  # the figures use seeds 100.. ; the constants were chosen on seeds 0.. (the ablation's)
 ABLATION = {
     "smoothing": (0.01, 0.1, 1.0),
     "edge_threshold": (0.15, 0.25, 0.35, 0.5),
@@ -60,14 +62,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sessions", type=int, default=24)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    seeds = range(args.seeds)
+    seeds = range(EVALUATION_SEED, EVALUATION_SEED + args.seeds)
     multiples = CAPACITY_MULTIPLES[:2] if args.quick else CAPACITY_MULTIPLES
     config = ScoutConfig()
     started = time.perf_counter()
 
-    traces = {(topo, seed): generate(WorkloadSpec(topology=topo, sessions=args.sessions, seed=seed))
-              for topo in TOPOLOGIES for seed in seeds}
-    capacity = {key: [int(t.max_request_blocks(16) * m) for m in multiples] for key, t in traces.items()}
+    def traces_for(seed_range):
+        traces = {(topo, seed): generate(WorkloadSpec(topology=topo, sessions=args.sessions, seed=seed))
+                  for topo in TOPOLOGIES for seed in seed_range}
+        capacity = {key: [int(t.max_request_blocks(16) * m) for m in multiples] for key, t in traces.items()}
+        return traces, capacity
+
+    traces, capacity = traces_for(seeds)
 
     by_capacity: dict[str, dict[str, dict[str, float]]] = {}
     for topo in TOPOLOGIES:
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "hit_rate",
         "trace": {"agents": 6, "sessions": args.sessions, "concurrent": 4, "turns": 12, "prefix_tokens": [256, 640],
-                  "query_tokens": 64, "output_tokens": 48, "block_size": 16, "seeds": len(seeds)},
+                  "query_tokens": 64, "output_tokens": 48, "block_size": 16, "seeds": list(seeds)},
         "tightest_capacity": tightest,
         "topologies": topologies,
         "gap_closed": gap_closed,
@@ -113,7 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
     }
     if not args.quick:
-        result["ablation"] = ablate(traces, capacity, seeds, config)
+        tuning = range(args.seeds)
+        result["ablation_seeds"] = list(tuning)
+        result["ablation"] = ablate(*traces_for(tuning), tuning, config)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result)
     print(text)

@@ -9,7 +9,9 @@ Survival policy, which leaves the learner trained; then, in Python on this machi
   and every per-source table is searched again;
 - dispatch_us: a whole request start (learner update, and a refresh when due);
 - state_bytes_24: the policy's state at 24 agents (transition counts, graph, survival tables,
-  and the block-to-agent map for the pool's capacity), from `SurvivalPolicy.state_bytes`.
+  and the block-to-agent map for the pool's capacity), from `SurvivalPolicy.state_bytes`;
+- eviction_pass_us_by_pool_blocks: one eviction pass (every unreferenced leaf scored) under
+  LRU and Survival, on pools of 100 to 5000 blocks.
 Each figure is the median of several timed repetitions.
 
     python benchmarks/scout_overhead.py [--quick]
@@ -23,8 +25,10 @@ import sys
 import time
 from statistics import median
 
-from agentcache.engine.eviction import Dispatch
+from agentcache.engine.blocks import BlockPool
+from agentcache.engine.eviction import Dispatch, make_policy
 from agentcache.scout import SurvivalPolicy, WorkloadSpec, generate, replay
+from agentcache.scout.trace_replay import serve
 
 AGENT_COUNTS = (6, 12, 24)
 
@@ -61,7 +65,7 @@ def measure(agents: int, sessions: int, repeats: int) -> dict:
 
     def cold_refreshes(n: int) -> None:
         for i in range(n):
-            scorer._from.clear()
+            scorer.invalidate()
             scorer.refresh(source_sets[i % len(source_sets)])
 
     dispatches = [Dispatch(r.prompt, r.agent, r.session) for r in trace.requests]
@@ -82,6 +86,26 @@ def measure(agents: int, sessions: int, repeats: int) -> dict:
     }
 
 
+def eviction_pass_us(policy_name: str, blocks: int, repeats: int) -> float:
+    """One eviction pass (`evict(1)`: every unreferenced leaf scored, the lowest removed) on a pool
+    of `blocks` blocks filled by a selector trace; the engine runs one pass per request."""
+    trace = generate(WorkloadSpec(topology="selector", sessions=max(8, blocks // 40), seed=1))
+    pool = BlockPool(blocks, 16, make_policy(policy_name))
+    for request in trace:
+        if pool.num_used >= 0.9 * blocks:
+            break
+        pool.begin_request(request.prompt, request.agent, session=request.session)
+        serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
+        pool.end_request()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(20):
+            pool.evict(1)
+        samples.append((time.perf_counter() - started) / 20 * 1e6)
+    return round(median(samples), 1)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sessions and repetitions (< 60 s)")
@@ -89,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     per_agents = {n: measure(n, 12 if args.quick else 48, 3 if args.quick else 7) for n in AGENT_COUNTS}
+    pool_sizes = (100, 1000) if args.quick else (100, 1000, 5000)
+    eviction = {policy: {str(n): eviction_pass_us(policy, n, 3) for n in pool_sizes} for policy in ("lru", "survival")}
     result = {
         "benchmark": "scout_overhead",
         "observe_touch_us": per_agents[24]["observe_touch_us"],
@@ -97,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         "survival_refresh_cold_us": {str(n): m["survival_refresh_cold_us"] for n, m in per_agents.items()},
         "dispatch_us": {str(n): m["dispatch_us"] for n, m in per_agents.items()},
         "state_bytes_24": per_agents[24]["state_bytes"],
+        "eviction_pass_us_by_pool_blocks": eviction,
         "details": {str(n): m for n, m in per_agents.items()},
         "python": sys.version.split()[0],
     }

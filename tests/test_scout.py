@@ -4,8 +4,11 @@ trace files, and the runtime's warm-up on a tiny model."""
 from __future__ import annotations
 
 import importlib
+import math
 import json
 import random
+import threading
+import time
 from functools import lru_cache
 
 import pytest
@@ -30,6 +33,7 @@ from agentcache.scout import (
     prompt_fingerprint,
     replay,
 )
+from agentcache.scout.trace_replay import serve as replay_serve
 from agentcache.segments import AgentCall, Segment
 from tests.conftest import make_engine
 
@@ -304,9 +308,31 @@ def test_learner_rows_are_smoothed_distributions():
     for i in range(learner.num_agents):
         assert sum(learner.row(i)) == pytest.approx(1.0)
         assert all(p > 0 for p in learner.row(i))
-        assert learner.row(i) == pytest.approx([learner.probability(i, j) for j in range(learner.num_agents)])
     a, b = learner.index["A"], learner.index["B"]
-    assert learner.probability(a, b) == pytest.approx((3 + 0.1) / (3 + 4 * 0.1))
+    assert learner.row(a)[b] == pytest.approx((3 + 0.1) / (3 + 4 * 0.1))
+
+
+def test_learner_counts_an_agents_repeated_calls_as_one_turn():
+    """Algorithm 1 counts a transition only when the agent changes: a tool loop A,A,A then B is A->B."""
+    learner = TransitionLearner()
+    for agent in "AAABBBCCC" * 4:
+        learner.observe(agent, "s")
+    a, b = learner.index["A"], learner.index["B"]
+    assert learner.counts[a][a] == 0 and learner.counts[a][b] == 4
+    assert learner.predict("A") == "B" and learner.predictability() > 0.7  # 11 transitions, smoothed
+    learner.observe("B", "s")  # C -> B
+    learner.dirty_rows.clear()
+    before = [row[:] for row in learner.counts]
+    learner.observe("B", "s")  # a repeat changes no row: the scorer has nothing to refresh
+    assert learner.dirty_rows == set() and learner.counts == before
+
+
+def test_learner_interrupt_breaks_the_chain():
+    learner = TransitionLearner()
+    learner.observe("A", "s")
+    learner.interrupt("s")
+    learner.observe("B", "s")
+    assert sum(learner.row_totals) == 0
 
 
 def test_learner_predicts_most_frequent_successor():
@@ -322,7 +348,7 @@ def test_learner_predicts_most_frequent_successor():
 
 
 def test_predictability_cycle_vs_uniform():
-    """R is near 1 for a deterministic cycle and near 0 when successors are uniformly random."""
+    """R is near 1 for a deterministic cycle and about 0.1 when successors are uniformly random."""
     cycle = TransitionLearner()
     for step in range(300):
         cycle.observe("ABCD"[step % 4])
@@ -330,9 +356,12 @@ def test_predictability_cycle_vs_uniform():
 
     rng = random.Random(7)
     uniform = TransitionLearner()
-    for _ in range(3000):
-        uniform.observe(rng.choice("ABCD"))
-    assert uniform.predictability() < 0.05
+    agent = "A"
+    for _ in range(3000):  # uniformly random over the other agents (a repeat is not a transition)
+        agent = rng.choice([a for a in "ABCDEF" if a != agent])
+        uniform.observe(agent)
+    # knowing the current agent only rules itself out: R = 1 - log 5 / log 6 = 0.10 (the paper's random: 0.12)
+    assert uniform.predictability() == pytest.approx(1 - math.log(5) / math.log(6), abs=0.03)
     assert TransitionLearner().predictability() == 0.0
 
 
@@ -490,15 +519,14 @@ def test_warmups_teach_the_learner_nothing():
     a_block = pool.match(PREFIX["A"])[0]
     a_hits, hit_blocks = a_block.hits, pool.stats.hit_blocks
     serve(pool, "A", "s1", PREFIX["A"], warmup=True)  # A's prefix is cached: the warm-up re-references it
-    policy.begin_request(Dispatch(PREFIX["C"], "C", "s2", warmup=True))  # a new agent, warmed directly
+    policy.begin_request(Dispatch(PREFIX["C"], "C", "s2", warmup=True))  # an agent never dispatched
     policy.end_request()
-    n = len(before[1])  # the warm-up registered C: compare the rows and columns of A and B
-    after = (learner.dispatches, [r[:n] for r in learner.counts[:n]], learner.row_totals[:n],
+    after = (learner.dispatches, [list(r) for r in learner.counts], list(learner.row_totals),
              dict(learner.last_session_agent), policy.step)
     assert after == before
     assert policy.warmups == 2
     assert sum(learner.row_totals) == 2  # only A->B in each session
-    assert "C" in learner.index and learner.row_totals[learner.index["C"]] == 0
+    assert "C" not in learner.index  # a warm-up never registers an agent
     assert (a_block.hits, pool.stats.hit_blocks) == (a_hits, hit_blocks) == (1, 2)  # the warm-up was no hit
 
 
@@ -531,7 +559,7 @@ def test_selector_hit_rates_belady_survival_lru():
 
 def test_pipeline_prefetch_helps_and_warmups_are_not_hits(monkeypatch):
     """Warm-up raises the pipeline hit rate; its tokens are counted apart, never as hits or dispatches."""
-    replay_module = importlib.import_module("agentcache.scout.replay")  # the package re-exports a function of that name
+    replay_module = importlib.import_module("agentcache.scout.trace_replay")
     pools = []
 
     class Recorded(BlockPool):
@@ -702,3 +730,77 @@ def test_runtime_self_check_does_not_teach_the_users_policy():
     rt = Runtime(engine, strategy="kvcmas")
     assert rt.strategy.name == "kvcmas"
     assert engine.pool.policy.learner.dispatches == 0 and engine.pool.num_used == 0
+
+
+def test_a_call_waiting_behind_a_warmup_counts_the_wait_in_its_ttft():
+    """TTFT runs from entering the runtime: a warm-up holding the engine delays the next call's first token."""
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=6, eviction="survival"), strategy="nonshared",
+                 config=RuntimeConfig(warmup=True))
+    execute, warming = rt.engine.execute, threading.Event()
+
+    def slow_warmups(request):
+        if request.warmup:
+            warming.set()
+            time.sleep(0.3)
+        return execute(request)
+
+    rt.engine.execute = slow_warmups
+    with rt:
+        for r in range(4):
+            for i, agent in enumerate(AGENTS3):
+                result = rt.run(cyclic_call(agent, r), ONE)
+                if warming.wait(timeout=0.5):  # a warm-up started and holds the runtime
+                    queued = rt.run(cyclic_call(AGENTS3[(i + 1) % 3], r), ONE)
+                    assert queued.ttft_s >= 0.2, queued.ttft_s  # it waited for the 0.3 s warm-up
+                    assert result.ttft_s < 0.2  # the call before it did not
+                    break
+            else:
+                continue
+            break
+        else:
+            pytest.fail(f"no warm-up ran: {rt.summary()['warmups']}")
+    assert not rt._warmup_thread.is_alive()  # leaving the `with` block waited for any planned warm-up
+    assert rt.summary()["warmup_s"] >= 0.3
+
+
+def test_no_warmups_when_the_engine_does_not_cache_prefixes(caplog):
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=16, prefix_caching=False), strategy="nonshared",
+                 config=RuntimeConfig(warmup=True))
+    assert rt.warmups is None and "warm-up is off" in caplog.text
+
+
+def test_reference_prefills_are_not_agent_dispatches():
+    """KVComm's context-free reference prefill is internal work: the learner never sees '<reference>'."""
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=256, eviction="survival"), strategy="kvcomm",
+                 config=RuntimeConfig(self_check=False))
+    calls = 0
+    for r in range(2):
+        for agent in AGENTS3:
+            rt.run(cyclic_call(agent, r), ONE)
+            calls += 1
+    learner = rt.engine.pool.policy.learner
+    assert "<reference>" not in learner.agents
+    assert learner.dispatches == calls and rt.engine.pool.stats.lookups == calls
+
+
+def test_serving_a_cached_prompt_on_a_full_pool_evicts_nothing():
+    pool = BlockPool(4, 4, "lru")
+    first, second = tuple(range(1, 9)), tuple(range(20, 28))
+    for tokens in (first, second):
+        replay_serve(pool, tokens, len(tokens), count=True)
+    assert pool.num_used == 4 and pool.num_free == 0
+    replay_serve(pool, first, len(first), count=True)  # its last block is not a hit (the last token is computed)
+    assert pool.stats.evictions == 0 and pool.num_used == 4
+
+
+def test_small_teams_and_loose_trace_input_get_clear_answers(tmp_path):
+    trace = generate(WorkloadSpec(topology="selector", num_agents=3, sessions=2, turns=4, seed=0))
+    assert set(r.agent for r in trace) <= set(trace.agents) and len(trace.agents) == 3
+    with pytest.raises(TraceError, match="tuple"):
+        Trace(("a",), [TraceRequest("a", "s", [1, 2, 3])])
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"meta": {}}\n{"agent": "a", "session": "s", "prompt": [1]}\n')
+    with pytest.raises(TraceError, match="line 1"):
+        Trace.load(path)
+    with pytest.raises(ValueError, match="capacity"):
+        replay(generate(WorkloadSpec(sessions=1, turns=2)), "lru", 5.5)

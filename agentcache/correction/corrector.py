@@ -122,7 +122,7 @@ class Corrector:
         lead = self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
         request = ExecRequest(
             [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
-            SamplingParams(max_tokens=1), owner=REFERENCE,
+            SamplingParams(max_tokens=1), owner=REFERENCE, warmup=True,  # internal: no agent dispatch, no hit
         )
         result = self.engine.execute(request)
         return self.store.put(slot, REFERENCE, token_ids, result.segments[1].kv, "reference")

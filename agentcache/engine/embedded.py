@@ -119,7 +119,7 @@ class EmbeddedEngine:
                 f"with_config shares this engine's weights on '{self.config.device}'; "
                 f"build a new EmbeddedEngine for device '{config.device}'"
             )
-        if isinstance(config.eviction, EvictionPolicy):  # a policy object serves one pool: give a fresh one
+        if isinstance(config.eviction, EvictionPolicy) and config.eviction.attached:  # it serves a pool already
             config = replace(config, eviction=config.eviction.fresh())
         return EmbeddedEngine(self.loaded, config)
 
@@ -385,7 +385,12 @@ class EmbeddedEngine:
         bs = self.block_size
         parent = chain[-1] if chain else None
         full_blocks = len(token_ids) // bs  # token_ids are exactly the tokens the call cache holds
-        self.pool.reserve(full_blocks - len(chain))
+        storable = full_blocks
+        if first_approx is not None and request.lineage is None:
+            storable = min(full_blocks, first_approx // bs)  # approximate KV without a lineage is not cached
+        if storable > len(chain):  # make room in one eviction pass for what is not cached yet
+            cached = len(self.pool.match(token_ids[: storable * bs], request.lineage))
+            self.pool.reserve(storable - cached)
         for index in range(len(chain), full_blocks):
             begin, end = index * bs, (index + 1) * bs
             approximate = first_approx is not None and end > first_approx

@@ -4,7 +4,7 @@ The pool evicts, among unreferenced leaf blocks, the one with the lowest `priori
 (ties broken by block id, so eviction is deterministic). A policy sees only the narrow
 `Block` record and the hooks below; state of its own (agent transitions, a future trace)
 lives in the policy. The agent-aware policies (TTL pinning, Survival, Belady) live in
-`agentcache.scout.policies` and register themselves in `EVICTION_POLICIES`.
+`agentcache.scout.policies`; `EVICTION_POLICIES` names them for `make_policy`.
 
 Hooks the pool calls, all O(1) per block:
   attach(capacity, block_size)   once, when the pool is built (`fresh()` gives a policy for another pool)
@@ -16,6 +16,7 @@ Hooks the pool calls, all O(1) per block:
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -39,16 +40,30 @@ class EvictionPolicy:
     """Base policy. Subclasses define `priority`; lower is evicted first. Hooks default to no-ops."""
 
     name = "base"
+    capacity = 0  # blocks of the pool it serves; 0 until attached
+    block_size = 0
 
     def priority(self, block: "Block") -> Any:
         raise NotImplementedError
 
+    @property
+    def attached(self) -> bool:
+        return self.capacity > 0
+
     def fresh(self) -> "EvictionPolicy":
-        """A new policy with the same settings and no state, for another pool."""
-        return type(self)()
+        """A new policy with the same settings and no state, for another pool. Policies whose
+        constructor takes settings override this."""
+        try:
+            return type(self)()
+        except TypeError as exc:
+            raise TypeError(f"{type(self).__name__} needs its own fresh() to serve another pool: {exc}") from None
 
     def attach(self, capacity: int, block_size: int) -> None:
-        pass
+        """Bind to one pool; subclasses that size state by capacity extend this."""
+        if self.attached:
+            raise ValueError(f"this {self.name} policy already serves a block pool; give each pool its own "
+                             "policy (policy.fresh() makes one with the same settings)")
+        self.capacity, self.block_size = capacity, block_size
 
     def begin_request(self, dispatch: Dispatch) -> None:
         pass
@@ -81,9 +96,12 @@ class LFUPolicy(EvictionPolicy):
         return (block.hits, block.last_access)
 
 
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy] | str] = {
     LRUPolicy.name: LRUPolicy,
     LFUPolicy.name: LFUPolicy,
+    # the agent-aware policies live with CacheScout; imported when first asked for
+    "ttl": "agentcache.scout.policies:TTLPolicy",
+    "survival": "agentcache.scout.policies:SurvivalPolicy",
 }
 
 
@@ -91,12 +109,13 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     """A policy object from its registry name, or the object itself."""
     if isinstance(policy, EvictionPolicy):
         return policy
-    import agentcache.scout.policies  # noqa: F401  (registers the agent-aware policies)
-
-    try:
-        return EVICTION_POLICIES[policy]()
-    except (KeyError, TypeError):
+    factory = EVICTION_POLICIES.get(policy) if isinstance(policy, str) else None
+    if factory is None:
         raise ValueError(
             f"unknown eviction policy {policy!r}; choose one of {sorted(EVICTION_POLICIES)} "
             f"(Belady needs its future trace: pass agentcache.scout.BeladyPolicy(trace) itself)"
-        ) from None
+        )
+    if isinstance(factory, str):
+        module, _, name = factory.partition(":")
+        factory = getattr(importlib.import_module(module), name)
+    return factory()

@@ -96,7 +96,8 @@ class ExecRequest:
     lineage: str | None = None  # salt for caching approximate KV; None: approximate KV is not cached
     owner: str | None = None  # who runs the call (an agent name): the eviction policy's dispatch event
     session: str | None = None  # the workflow run it belongs to, for agent-aware eviction
-    warmup: bool = False  # a background warm-up: caches the prompt, counts as no hit and no dispatch
+    warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
+    # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
     capture_kv: bool = True  # hand back each segment's KV (copies)
 
     def __post_init__(self) -> None:

@@ -15,7 +15,9 @@ The paper names the constants but gives no values. Ours, and why:
   (0.01-0.2 made no difference on the generated traces).
 - r_min = 0.3: warm up only when the current agent removes at least 30% of the uncertainty
   about the next one (the paper's selector workload sits at 0.57, random at 0.12).
-- fingerprint_blocks = 2: agents without a name are told apart by their first 2 blocks.
+- fingerprint_blocks = 2: agents without a name are told apart by their first 2 blocks (32
+  tokens). Agents whose prompts open with the same 32 tokens (a shared framework header) are
+  merged into one; name them (the runtime does) or raise this.
 - active_sessions = 4: survival is searched from the current agents of the 4 most recently
   dispatched sessions (the generated traces run 4 at a time; 1, 2 and 8 were worse).
 - per_session = True: transitions are counted within a session and a block private to one
@@ -42,7 +44,7 @@ class ScoutConfig:
     active_sessions: int = 4
     per_session: bool = True
     max_agents: int = 64
-    warmup_min_gap: int = 1  # dispatches between two warm-ups (the rate limit)
+    warmup_min_gap: int = 1  # dispatches between two warm-ups; 1: at most one warm-up per dispatch
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,7 +64,7 @@ class ScoutConfig:
             "r_min": 0 <= self.r_min <= 1,
             "fingerprint_blocks": isinstance(self.fingerprint_blocks, int) and self.fingerprint_blocks >= 1,
             "active_sessions": isinstance(self.active_sessions, int) and self.active_sessions >= 1,
-            "max_agents": isinstance(self.max_agents, int) and self.max_agents >= 1,
+            "max_agents": isinstance(self.max_agents, int) and 1 <= self.max_agents <= 32767,  # int16 block map
             "warmup_min_gap": isinstance(self.warmup_min_gap, int) and self.warmup_min_gap >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]

@@ -1,6 +1,8 @@
 """Transition learner: an online first-order Markov chain over agent dispatches (CacheScout Sec. 3.2).
 
-Each dispatch of agent j after agent i (in the same session) adds one to C[i][j]. Probabilities
+Each dispatch of agent j after a different agent i (in the same session) adds one to C[i][j];
+an agent calling the model several times in a row (a tool loop) is one turn, as in the paper's
+Algorithm 1, so the prediction is always the next *other* agent. Probabilities
 are smoothed, P[i][j] = (C[i][j] + eps) / (sum_k C[i][k] + n * eps) (Eq. 3), so an unseen edge is
 never impossible. Transitions are counted per session: concurrent sessions interleave their
 dispatches, and the workflow's structure lives within each session. Requests without a session
@@ -84,7 +86,7 @@ class TransitionLearner:
             self.last_session_agent.pop(session, None)  # the next agent did not follow the previous one
             return None
         previous = self.last_session_agent.pop(session, None)
-        if previous is not None:
+        if previous is not None and previous != index:  # an agent's repeated calls are one turn (Alg. 1, l. 18)
             self.counts[previous][index] += 1
             self.row_totals[previous] += 1
             self.dirty_rows.add(previous)
@@ -93,9 +95,9 @@ class TransitionLearner:
             self.last_session_agent.popitem(last=False)
         return index
 
-    def probability(self, i: int, j: int) -> float:
-        eps = self.smoothing
-        return (self.counts[i][j] + eps) / (self.row_totals[i] + eps * len(self.agents))
+    def interrupt(self, session: str | None = None) -> None:
+        """A request nobody could name ran in `session`: the next agent did not follow the last one."""
+        self.last_session_agent.pop(session, None)
 
     def row(self, i: int) -> list[float]:
         """P[i][:] (Eq. 4)."""

@@ -1,8 +1,8 @@
 """Agent-aware eviction policies for the block pool: TTL pinning, Survival (CacheScout), Belady.
 
 Each plugs into `BlockPool` through `priority(block)` (lower is evicted first) and the pool's
-hooks (see agentcache.engine.eviction). Importing this module registers `ttl` and `survival`
-by name; Belady needs the future trace and is built from it.
+hooks (see agentcache.engine.eviction). `ttl` and `survival` can be asked for by name
+(`EngineConfig(eviction="survival")`); Belady needs the future trace and is built from it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from agentcache.engine.blocks import block_hash
-from agentcache.engine.eviction import EVICTION_POLICIES, Dispatch, EvictionPolicy
+from agentcache.engine.eviction import Dispatch, EvictionPolicy
 from agentcache.errors import TraceError
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner, prompt_fingerprint
@@ -25,16 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["TTLPolicy", "SurvivalPolicy", "BeladyPolicy"]
 
 
-class _AttachOnce(EvictionPolicy):
-    capacity = 0
-
-    def attach(self, capacity: int, block_size: int) -> None:
-        if self.capacity:
-            raise ValueError(f"this {self.name} policy already serves a block pool; give each pool its own policy")
-        self.capacity, self.block_size = capacity, block_size
-
-
-class TTLPolicy(_AttachOnce):
+class TTLPolicy(EvictionPolicy):
     """Continuum-style pinning: when a request ends, the blocks it used stay pinned for `ttl`
     dispatches (the next turn of the same program is expected within that time). Unpinned
     blocks go first, least recently used first; pinned ones only when nothing else is left.
@@ -87,7 +78,7 @@ _FRESH = object()  # session_of[] before any touch
 _SHARED = object()  # session_of[] of a block touched by two or more sessions
 
 
-class SurvivalPolicy(_AttachOnce):
+class SurvivalPolicy(EvictionPolicy):
     """CacheScout's survival-guided eviction (Eq. 9):
 
         score(b) = (survival(b) + delta) * (exp(-lambda * age(b)) + delta) * |b|
@@ -136,11 +127,15 @@ class SurvivalPolicy(_AttachOnce):
         self.session = dispatch.session if self.config.per_session else None
         if dispatch.warmup:  # fills the cache for `agent`, teaches the learner nothing
             self.warmups += 1
-            index = self.learner.agent_id(agent) if agent is not None else None
+            index = self.learner.index.get(agent) if agent is not None else None  # never a new agent
             self.session = _SHARED  # a prefix warmed for whichever session calls next
         else:
             self.step += 1
-            index = self.learner.observe(agent, self.session) if agent is not None else None
+            if agent is None:  # too short to fingerprint: nobody to learn from, and the chain breaks
+                self.learner.interrupt(self.session)
+                index = None
+            else:
+                index = self.learner.observe(agent, self.session)
             self.scorer.maybe_refresh()
         self.current = -1 if index is None else index
 
@@ -178,18 +173,21 @@ class SurvivalPolicy(_AttachOnce):
         """Bytes of the runtime state: transition counts, graph, survival tables, block map."""
         n = self.learner.num_agents
         ints = n * n + n + sum(len(s) for s in self.scorer.successors)
-        floats = len(self.scorer.survival) + sum(len(t) for t in self.scorer._from.values())
+        floats = len(self.scorer.survival) + self.scorer.table_entries
         names = sum(len(a.encode()) for a in self.learner.agents)
         block_map = (self.agent_of.itemsize + self.last_step.itemsize + 8) * len(self.agent_of)
         return 4 * ints + 4 * floats + names + block_map
 
 
-class BeladyPolicy(_AttachOnce):
-    """Belady's offline optimum, for benchmarks: evict the block whose next use is farthest away.
+class BeladyPolicy(EvictionPolicy):
+    """Belady's rule, for benchmarks: evict the block whose next use is farthest away.
 
     Built from the future: the token ids each request caches, in replay order (warm-ups are not
     requests). A block the future never mentions is a replay that does not match its trace,
-    and raises TraceError."""
+    and raises TraceError. It is the offline bound the benchmarks compare with, not an exact
+    optimum: a "use" is any request whose cached tokens contain the block, including blocks a
+    request only stores (the last prompt token is always computed), and the pool stores every
+    block it is given rather than choosing not to cache one."""
 
     name = "belady"
 
@@ -231,6 +229,3 @@ class BeladyPolicy(_AttachOnce):
         later = bisect_right(uses, self.step)
         return -uses[later] if later < len(uses) else -math.inf
 
-
-EVICTION_POLICIES[TTLPolicy.name] = TTLPolicy
-EVICTION_POLICIES[SurvivalPolicy.name] = SurvivalPolicy

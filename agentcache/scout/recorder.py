@@ -3,7 +3,7 @@
     recorder = TraceRecorder()
     runtime = Runtime(engine, recorder=recorder)
     ... run calls ...
-    recorder.trace().save("run.trace.jsonl")     # replay it: agentcache.scout.replay
+    recorder.trace().save("run.trace.jsonl")     # replay it: agentcache.scout.replay(trace, ...)
 
 Each call becomes one request: agent, session (the call's, or "-"), the prompt's token ids,
 the generated token ids, and the tokens of the call's leading PF segments as the agent's prefix.

@@ -119,6 +119,15 @@ class SurvivalScorer:
             table = self._from[agent_index] = self._search((agent_index,), self.learner.num_agents)
         return table
 
+    @property
+    def table_entries(self) -> int:
+        """Values held in the memoized per-source survival tables."""
+        return sum(len(t) for t in self._from.values())
+
+    def invalidate(self) -> None:
+        """Forget the per-source tables (as after an edge change); the next refresh searches again."""
+        self._from.clear()
+
     def survival_of(self, agent_index: int) -> float:
         survival = self.survival
         return survival[agent_index] if 0 <= agent_index < len(survival) else 0.0

@@ -37,6 +37,8 @@ class WarmupCoordinator:
 
     def observe(self, agent: str, prompt: Sequence[int], prefix_len: int = 0) -> None:
         """Learn `agent`'s prefix: declared (prefix_len > 0), else the common prefix of its prompts."""
+        if agent not in self.learner.index:
+            return  # an agent the learner does not track is never predicted: keep no prefix for it
         if prefix_len > 0:
             self.prefixes[agent] = tuple(prompt[:prefix_len])
             self._confirmed.add(agent)

@@ -92,6 +92,8 @@ class Trace:
             if not r.prompt:
                 raise TraceError(f"request {i} ({r.agent}) has an empty prompt")
             for name, ids in (("prompt", r.prompt), ("output", r.output)):
+                if not isinstance(ids, tuple):
+                    raise TraceError(f"request {i} ({r.agent}): {name} must be a tuple of token ids, got {type(ids).__name__}")
                 bad = next((t for t in ids if type(t) is not int or t < 0), None)
                 if bad is not None:
                     raise TraceError(f"request {i} ({r.agent}): {name} token id {bad!r} is not a non-negative int")
@@ -126,14 +128,14 @@ class Trace:
         number = 1
         try:
             header = json.loads(lines[0])
+            if not isinstance(header["agents"], list):
+                raise TypeError(f"'agents' must be a list of names, got {header['agents']!r}")
+            agents, meta = tuple(header["agents"]), header.get("meta", {})
             requests = []
             for number, line in enumerate(lines[1:], start=2):  # noqa: B007 (named in the error)
                 d = json.loads(line)
                 requests.append(TraceRequest(d["agent"], d["session"], tuple(d["prompt"]),
                                              tuple(d.get("output", ())), d.get("prefix_len", 0)))
-            if not isinstance(header["agents"], list):
-                raise TypeError(f"'agents' must be a list of names, got {header['agents']!r}")
-            agents, meta = tuple(header["agents"]), header.get("meta", {})
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise TraceError(f"{path}, line {number}: not a trace line ({type(exc).__name__}: {exc})") from None
         return cls(agents, requests, meta)
@@ -182,8 +184,10 @@ def _routing(spec: WorkloadSpec, agents: Sequence[str], rng: random.Random) -> l
         rows = []
         for i in range(n):
             row = [0.0] * n
-            second, third = rng.sample([j for j in range(n) if j not in (i, (i + 1) % n)], 2)
-            row[(i + 1) % n], row[second], row[third] = 0.5, 0.3, 0.2
+            row[(i + 1) % n] = 0.5
+            others = [j for j in range(n) if j not in (i, (i + 1) % n)]
+            for j, p in zip(rng.sample(others, min(2, len(others))), (0.3, 0.2)):
+                row[j] = p
             rows.append(row)
     return [[p / sum(row) for p in row] for row in rows]
 

@@ -10,7 +10,7 @@ apart.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from agentcache.engine.blocks import BlockPool
@@ -21,7 +21,7 @@ from agentcache.scout.policies import BeladyPolicy, SurvivalPolicy
 from agentcache.scout.warmup import WarmupCoordinator
 from agentcache.scout.workloads import Trace
 
-__all__ = ["ReplayResult", "replay", "make_replay_policy", "REPLAY_POLICIES"]
+__all__ = ["ReplayResult", "replay", "serve", "make_replay_policy", "REPLAY_POLICIES"]
 
 REPLAY_POLICIES = ("lru", "lfu", "ttl", "survival", "survival_prefetch", "belady")
 
@@ -35,14 +35,11 @@ class ReplayResult:
     cached_tokens: int
     evictions: int
     warmups: int
-    warmup_tokens: int  # tokens the warm-ups prefilled
+    warmup_tokens: int  # tokens the warm-ups prefilled (their prefixes less what was cached)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 def make_replay_policy(name: str, trace: Trace, block_size: int, config: ScoutConfig | None = None) -> EvictionPolicy:
@@ -71,6 +68,8 @@ def replay(
     name_agents=False hides agent names from the pool, as an engine without a framework sees it
     (the Survival policy then fingerprints prompts). warmup=True runs the warm-up coordinator.
     """
+    if type(capacity) is not int or type(block_size) is not int or block_size < 1:
+        raise ValueError(f"capacity and block_size must be ints (blocks, tokens), got {capacity!r}, {block_size!r}")
     needed = trace.max_request_blocks(block_size)
     if capacity < needed:
         raise CapacityError(
@@ -91,7 +90,7 @@ def replay(
     for request in trace:
         agent = request.agent if name_agents else None
         pool.begin_request(request.prompt, agent, session=request.session)
-        hit = _serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
+        hit = serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
         pool.end_request()
         prompt_tokens += len(request.prompt)
         cached_tokens += hit
@@ -103,15 +102,15 @@ def replay(
             )
             if plan is not None:
                 pool.begin_request(plan.prefix, plan.agent if name_agents else None, warmup=True)
-                _serve(pool, plan.prefix, len(plan.prefix), count=False)
+                cached = serve(pool, plan.prefix, len(plan.prefix), count=False)
                 pool.end_request()
                 warmups += 1
-                warmup_tokens += len(plan.prefix)
+                warmup_tokens += len(plan.prefix) - cached  # what the warm-up had to prefill
     return ReplayResult(label, capacity, len(trace), prompt_tokens, cached_tokens, pool.stats.evictions,
                         warmups, warmup_tokens)
 
 
-def _serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bool) -> int:
+def serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bool) -> int:
     """One request's pool traffic; returns its cached prompt tokens."""
     bs = pool.block_size
     chain = pool.match(tokens[: max(0, prompt_len - 1)])
@@ -119,7 +118,7 @@ def _serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bo
     held = list(chain)
     try:
         full = len(tokens) // bs
-        pool.reserve(full - len(chain))
+        pool.reserve(full - len(pool.match(tokens)))  # blocks past the hit may be cached already
         parent = chain[-1] if chain else None
         for index in range(len(chain), full):
             if not pool.num_free:
