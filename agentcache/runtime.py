@@ -99,7 +99,7 @@ class Runtime:
         self._lock = threading.RLock()
         self.recorder = recorder
         self._own_learner: TransitionLearner | None = None
-        self.warmups = self._warmup_coordinator() if self.config.warmup else None
+        self.warmup_coordinator = self._warmup_coordinator() if self.config.warmup else None
         self._warmup_thread: threading.Thread | None = None
         self.warmup_faults = 0
         self.warmup_s = 0.0  # engine time spent warming up, off every call's critical path
@@ -146,7 +146,7 @@ class Runtime:
         started = time.perf_counter()  # TTFT includes waiting for a call or warm-up holding the runtime
         with self._lock, torch.inference_mode():
             result = self._run(call, sampling, started)
-            if self.warmups is not None:
+            if self.warmup_coordinator is not None:
                 self._plan_warmup(call.session)
         return result
 
@@ -157,10 +157,10 @@ class Runtime:
         it runs once the lock is free. A call arriving meanwhile waits (in its TTFT). Planning
         faults are counted and logged: a warm-up never costs a call."""
         if self._warmup_thread is not None and self._warmup_thread.is_alive():
-            self.warmups.outcomes["busy"] += 1  # the previous warm-up has not run yet
+            self.warmup_coordinator.outcomes["busy"] += 1  # the previous warm-up has not run yet
             return
         try:
-            plan = self.warmups.next_warmup(session, self._prefix_cached)
+            plan = self.warmup_coordinator.next_warmup(session, self._prefix_cached)
         except Exception as exc:
             self.warmup_faults += 1
             log.warning("planning a warm-up failed: %s", exc)
@@ -304,10 +304,10 @@ class Runtime:
             if seg.kind != "pf":
                 break
             prefix_len += len(tokens)
-        if self.warmups is not None:
+        if self.warmup_coordinator is not None:
             if self._own_learner is not None:  # the engine's policy does not learn dispatches itself
                 self._own_learner.observe(agent, call.session)
-            self.warmups.observe(agent, prompt, prefix_len)
+            self.warmup_coordinator.observe(agent, prompt, prefix_len)
         if self.recorder is not None:
             self.recorder.record(agent, call.session, prompt, result.token_ids, prefix_len)
         return outcome
@@ -363,7 +363,7 @@ class Runtime:
             anchor_build_s=self.corrector.anchor_build_s,
             faults=dict(self.corrector.fallbacks),
             eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
-            warmups=dict(self.warmups.outcomes) if self.warmups is not None else None,
+            warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,
             warmup_faults=self.warmup_faults,
             warmup_s=self.warmup_s,
         )

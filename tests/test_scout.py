@@ -766,7 +766,7 @@ def test_a_call_waiting_behind_a_warmup_counts_the_wait_in_its_ttft():
 def test_no_warmups_when_the_engine_does_not_cache_prefixes(caplog):
     rt = Runtime(make_engine("tiny-llama", pool_blocks=16, prefix_caching=False), strategy="nonshared",
                  config=RuntimeConfig(warmup=True))
-    assert rt.warmups is None and "warm-up is off" in caplog.text
+    assert rt.warmup_coordinator is None and "warm-up is off" in caplog.text
 
 
 def test_reference_prefills_are_not_agent_dispatches():

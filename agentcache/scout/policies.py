@@ -104,7 +104,7 @@ class SurvivalPolicy(EvictionPolicy):
         )
         self.step = 0  # dispatches seen (warm-ups excluded)
         self.current = -1  # index of the agent whose request runs now; -1: unknown
-        self.session: str | None = None
+        self.session: object = None  # the current request's session (or _SHARED for a warm-up)
         self.warmups = 0
 
     def fresh(self) -> "SurvivalPolicy":
