@@ -299,6 +299,16 @@ class Runtime:
             engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )
         self.results.append(outcome)
+        if self.warmup_coordinator is not None or self.recorder is not None:
+            self._observe(call, segments, token_lists, prompt, result.token_ids)
+        return outcome
+
+    def _observe(
+        self, call: AgentCall, segments: list[Segment], token_lists: list[list[int]], prompt: list[int],
+        output: list[int],
+    ) -> None:
+        """Tell the warm-up coordinator and the trace recorder about a finished call; the agent's
+        prefix is its leading PF segments."""
         prefix_len = 0
         for seg, tokens in zip(segments, token_lists):
             if seg.kind != "pf":
@@ -306,11 +316,10 @@ class Runtime:
             prefix_len += len(tokens)
         if self.warmup_coordinator is not None:
             if self._own_learner is not None:  # the engine's policy does not learn dispatches itself
-                self._own_learner.observe(agent, call.session)
-            self.warmup_coordinator.observe(agent, prompt, prefix_len)
+                self._own_learner.observe(call.agent, call.session)
+            self.warmup_coordinator.observe(call.agent, prompt, prefix_len)
         if self.recorder is not None:
-            self.recorder.record(agent, call.session, prompt, result.token_ids, prefix_len)
-        return outcome
+            self.recorder.record(call.agent, call.session, prompt, output, prefix_len)
 
     def _commit(
         self,

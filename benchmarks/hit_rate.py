@@ -18,12 +18,12 @@ CacheScout constant on the selector and random traces.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from statistics import mean
 
+from _report import emit  # benchmarks/, the script's own folder
 from agentcache.scout import TOPOLOGIES, ScoutConfig, SurvivalPolicy, WorkloadSpec, generate, replay
 
 POLICIES = ("lru", "ttl", "survival", "survival_prefetch", "belady")
@@ -45,13 +45,8 @@ def run(trace, policy: str, capacity: int, config: ScoutConfig):
     return replay(trace, policy, capacity, warmup=policy == "survival_prefetch", config=config)
 
 
-def run_policy(trace, policy: str, capacity: int, config: ScoutConfig) -> float:
-    return run(trace, policy, capacity, config).hit_rate
-
-
-def warmup_cost(trace, capacity: int, config: ScoutConfig) -> float:
+def warmup_cost(result) -> float:
     """Tokens the warm-ups prefilled, per prompt token served."""
-    result = run(trace, "survival_prefetch", capacity, config)
     return result.warmup_tokens / result.prompt_tokens
 
 
@@ -76,13 +71,15 @@ def main(argv: list[str] | None = None) -> dict:
     traces, capacity = traces_for(seeds)
 
     by_capacity: dict[str, dict[str, dict[str, float]]] = {}
+    prefetch_at_tightest = {}  # topology -> the warm-up replays at the tightest capacity, one per seed
     for topo in TOPOLOGIES:
         by_capacity[topo] = {}
         for i, m in enumerate(multiples):
-            by_capacity[topo][f"{m}x"] = {
-                policy: round(mean(run_policy(traces[topo, s], policy, capacity[topo, s][i], config) for s in seeds), 4)
-                for policy in POLICIES
-            }
+            results = {policy: [run(traces[topo, s], policy, capacity[topo, s][i], config) for s in seeds]
+                       for policy in POLICIES}
+            by_capacity[topo][f"{m}x"] = {p: round(mean(r.hit_rate for r in rs), 4) for p, rs in results.items()}
+            if i == 0:
+                prefetch_at_tightest[topo] = results["survival_prefetch"]
     tightest = f"{multiples[0]}x"
     topologies = {topo: by_capacity[topo][tightest] for topo in TOPOLOGIES}
     gap_closed = {}
@@ -91,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         gap_closed[topo] = round((rates["survival"] - rates["lru"]) / gap, 3) if gap > 0 else None
 
     warmup_tokens_per_prompt_token = {
-        topo: round(mean(warmup_cost(traces[topo, s], capacity[topo, s][0], config) for s in seeds), 4)
-        for topo in TOPOLOGIES
+        topo: round(mean(warmup_cost(r) for r in results), 4) for topo, results in prefetch_at_tightest.items()
     }
     predictability, fingerprint = {}, {}
     for topo in TOPOLOGIES:
@@ -123,11 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["ablation_seeds"] = list(tuning)
         result["ablation"] = ablate(*traces_for(tuning), tuning, config)
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return result
 
 
@@ -145,7 +137,7 @@ def ablate(traces, capacity, seeds, config: ScoutConfig) -> dict:
                 results = [run(traces[topo, s], policy, capacity[topo, s][0], varied) for s in seeds]
                 row[topo] = round(mean(r.hit_rate for r in results), 4)
                 if name == "r_min":
-                    row[f"{topo}_warmup_cost"] = round(mean(r.warmup_tokens / r.prompt_tokens for r in results), 4)
+                    row[f"{topo}_warmup_cost"] = round(mean(warmup_cost(r) for r in results), 4)
             out[name][str(value)] = row
     return out
 

@@ -20,11 +20,11 @@ Each figure is the median of several timed repetitions.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from statistics import median
 
+from _report import emit  # benchmarks/, the script's own folder
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.eviction import Dispatch, make_policy
 from agentcache.scout import SurvivalPolicy, WorkloadSpec, generate, replay
@@ -128,10 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "python": sys.version.split()[0],
     }
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return result
 
 

@@ -26,12 +26,12 @@ blocks, so a hit saves nothing to measure.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 
+from _report import emit  # benchmarks/, the script's own folder
 from agentcache.engine import EmbeddedEngine, EngineConfig, SamplingParams
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.scout import WorkloadSpec, generate
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill_s": {n: round(sum(r.total_s for r in runtimes[n].results), 2) for n in CONFIGS},  # calls' own time
     }
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return result
 
 

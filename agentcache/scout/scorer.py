@@ -57,20 +57,19 @@ class SurvivalScorer:
 
     def maybe_refresh(self) -> bool:
         """Refresh if the current agents or the graph changed since the last refresh; True if it ran."""
-        active = self.active()
-        sources = tuple(dict.fromkeys(active.values()))
+        self.active_now = self.active()
+        sources = tuple(dict.fromkeys(self.active_now.values()))
         if sources == self._sources and not self.learner.dirty_rows:
-            self.active_now = active
             return False
         self.refresh(sources)
-        self.active_now = active
         return True
 
     def refresh(self, sources: tuple[int, ...]) -> None:
         learner = self.learner
         n = learner.num_agents
-        while len(self.successors) < n:
-            self.successors.append([])
+        if len(self.successors) < n:  # new agents: every per-source table is one entry short
+            self.successors.extend([] for _ in range(n - len(self.successors)))
+            self._from.clear()
         tau = self.edge_threshold
         for a in learner.dirty_rows:
             edges = [b for b, p in enumerate(learner.row(a)) if p >= tau]
@@ -78,8 +77,6 @@ class SurvivalScorer:
                 self.successors[a] = edges
                 self._from.clear()  # the graph changed: per-source tables are stale
         learner.dirty_rows.clear()
-        if len(self._from) and len(next(iter(self._from.values()))) != n:
-            self._from.clear()
         self.survival = self._combined(sources, n)
         self._sources = sources
         self.refreshes += 1
