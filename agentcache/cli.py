@@ -1,18 +1,108 @@
-"""The `agentcache` command."""
+"""The `agentcache` command: demo, bench, trace, models, check."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 __all__ = ["main"]
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from agentcache.demo import run_demo
+def _samples() -> None:
+    """Make the repository's `samples` package importable (the demo is the GSM8K swarm sample)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "samples" / "gsm8k_swarm").is_dir():
+        raise SystemExit(f"agentcache demo runs the samples of a source checkout; none found at {root / 'samples'}")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
-    run_demo(model=args.model, max_tokens=args.max_tokens, results_dir=Path(args.results))
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _samples()
+    from samples._compare import write_report
+    from samples.gsm8k_swarm.run import plot, print_report, run_batch
+
+    strategies = tuple(s for s in args.strategies.split(",") if s)
+    print(f"agentcache demo: a LangGraph GSM8K swarm on {args.model}, {args.problems} problems under "
+          f"{', '.join(strategies)} (interleaved)", flush=True)
+    report = run_batch(args.model, args.problems, strategies, seed=args.seed, expert_tokens=args.expert_tokens,
+                       decision_tokens=args.decision_tokens)
+    print_report(report)
+    for path in write_report(report, Path(args.results), "demo", plot(report)):
+        print(f"wrote {path}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from agentcache.bench_runner import available, run_benchmarks
+
+    if args.list:
+        for name in available():
+            print(name)
+        return 0
+    report = run_benchmarks(args.names, quick=args.quick)
+    for name, entry in report.items():
+        status = "error: " + entry["error"] if "error" in entry else "ok"
+        print(f"{name:<16} {entry.get('elapsed_s', 0):7.1f} s  {status}")
+    path = Path(args.results) / ("bench_quick.json" if args.quick else "bench.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return 1 if any("error" in entry for entry in report.values()) else 0
+
+
+def _cmd_trace_generate(args: argparse.Namespace) -> int:
+    from agentcache.scout.workloads import WorkloadSpec, generate
+
+    trace = generate(WorkloadSpec(topology=args.topology, sessions=args.sessions, turns=args.turns, seed=args.seed))
+    trace.save(args.out)
+    print(f"wrote {args.out}: {len(trace)} requests, agents {', '.join(trace.agents)}")
+    return 0
+
+
+def _cmd_trace_record(args: argparse.Namespace) -> int:
+    """Run the GSM8K swarm with a trace recorder on the runtime and save what it ran."""
+    _samples()
+    from tqdm import tqdm
+
+    from agentcache import Runtime
+    from agentcache.scout import TraceRecorder
+    from agentcache.tasks import gsm8k_style_problem
+    from agentcache_langgraph import AgentCacheChatModel
+    from samples.gsm8k_swarm.graph import build_swarm
+
+    recorder = TraceRecorder({"workload": "gsm8k_swarm", "model": args.model})
+    runtime = Runtime(model=args.model, strategy="nonshared", recorder=recorder)
+    swarm = build_swarm(AgentCacheChatModel(runtime=runtime, max_tokens=args.max_tokens))
+    for index in tqdm(range(args.problems), desc="recording", unit="problem"):
+        swarm.invoke({"question": gsm8k_style_problem(args.seed + index).text},
+                     {"configurable": {"thread_id": f"problem-{index}"}})
+    trace = recorder.trace()
+    trace.save(args.out)
+    print(f"wrote {args.out}: {len(trace)} requests, agents {', '.join(trace.agents)}")
+    return 0
+
+
+def _cmd_trace_replay(args: argparse.Namespace) -> int:
+    from agentcache.scout.trace_replay import replay
+    from agentcache.scout.workloads import Trace
+
+    trace = Trace.load(args.trace)
+    largest = trace.max_request_blocks(args.block_size)
+    capacity = args.capacity_blocks or max(largest, round(args.capacity * largest))
+    print(f"{args.trace}: {len(trace)} requests, {len(trace.agents)} agents; pool of {capacity} blocks of "
+          f"{args.block_size} tokens ({capacity / largest:.2f}x the largest request)")
+    rows = {}
+    for policy in args.policies.split(","):
+        warm = policy == "survival_prefetch"
+        result = replay(trace, policy, capacity, block_size=args.block_size, warmup=warm)
+        rows[policy] = {"hit_rate": result.hit_rate, "evictions": result.evictions, "warmups": result.warmups}
+        print(f"  {policy:<18} hit rate {result.hit_rate:.3f}   evictions {result.evictions:>6}"
+              + (f"   warm-ups {result.warmups}" if warm else ""))
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "capacity": capacity, "policies": rows}))
     return 0
 
 
@@ -27,8 +117,6 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    import json
-
     from agentcache.engine import EmbeddedEngine
     from agentcache.selfcheck import check_model
 
@@ -38,15 +126,51 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run a short multi-agent workflow and print what it measured")
+    demo = commands.add_parser("demo", help="the GSM8K swarm (LangGraph) under KVCMAS, NonShared and FullShared")
     demo.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
-    demo.add_argument("--max-tokens", type=int, default=32)
-    demo.add_argument("--results", default="results", help="directory for the JSON report")
+    demo.add_argument("--problems", type=int, default=5)
+    demo.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--expert-tokens", type=int, default=48)
+    demo.add_argument("--decision-tokens", type=int, default=12)
+    demo.add_argument("--results", default="results", help="directory for demo.json and demo.png")
     demo.set_defaults(run=_cmd_demo)
+
+    bench = commands.add_parser("bench", help="run the benchmarks (all, or the ones named) and collect their JSON")
+    bench.add_argument("names", nargs="*", help="benchmark names (see --list); all when none")
+    bench.add_argument("--quick", action="store_true", help="each benchmark's small run (under a minute each)")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    bench.add_argument("--results", default="results")
+    bench.set_defaults(run=_cmd_bench)
+
+    trace = commands.add_parser("trace", help="record, generate and replay agent workload traces")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    record = trace_commands.add_parser("record", help="run the GSM8K swarm and record its calls as a trace")
+    record.add_argument("out", help="trace file to write (JSON lines)")
+    record.add_argument("--model", default="gemma3-270m")
+    record.add_argument("--problems", type=int, default=4)
+    record.add_argument("--max-tokens", type=int, default=32)
+    record.add_argument("--seed", type=int, default=0)
+    record.set_defaults(run=_cmd_trace_record)
+    gen = trace_commands.add_parser("generate", help="generate a synthetic multi-agent trace")
+    gen.add_argument("out")
+    gen.add_argument("--topology", default="selector", help="pipeline, debate, selector or random")
+    gen.add_argument("--sessions", type=int, default=24)
+    gen.add_argument("--turns", type=int, default=12)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=_cmd_trace_generate)
+    rep = trace_commands.add_parser("replay", help="replay a trace through the block pool under eviction policies")
+    rep.add_argument("trace")
+    rep.add_argument("--policies", default="lru,ttl,survival,survival_prefetch,belady")
+    rep.add_argument("--capacity", type=float, default=1.25, help="pool size as a multiple of the largest request")
+    rep.add_argument("--capacity-blocks", type=int, default=None, help="pool size in blocks (overrides --capacity)")
+    rep.add_argument("--block-size", type=int, default=16)
+    rep.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    rep.set_defaults(run=_cmd_trace_replay)
 
     models = commands.add_parser("models", help="list model presets; --prepare converts the default model")
     models.add_argument("--prepare", action="store_true")
@@ -56,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
     check.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     check.set_defaults(run=_cmd_check)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     return args.run(args)
 
 

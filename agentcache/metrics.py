@@ -35,6 +35,7 @@ class CallResult:
     token_ids: list[int]
     finish_reason: str
     ttft_s: float  # from entering the runtime to the first token, correction work included
+    queued_s: float  # of which waiting for the runtime: other calls (a fan-out's siblings) or a warm-up
     total_s: float  # to the last token, plus anchor construction after it
     prompt_tokens: int
     cached_tokens: int  # exact (or own-lineage) prefix hits
@@ -85,6 +86,10 @@ def summarize(results: list[CallResult]) -> dict[str, Any]:
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        # TTFT less the wait for other calls: what the call itself cost (prefill, correction)
+        "service_ttft_mean_s": sum(r.ttft_s - r.queued_s for r in results) / len(results) if results else None,
+        "queued_mean_s": sum(r.queued_s for r in results) / len(results) if results else None,
         "ph_decisions": dict(decisions),
         "fallback_reasons": dict(reasons),
     }

@@ -9,14 +9,16 @@ after dense fallbacks, and keeps the agent's decoded output as the source of `ou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 import uuid
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,11 +33,13 @@ from agentcache.scout.learner import TransitionLearner
 from agentcache.scout.policies import SurvivalPolicy
 from agentcache.scout.recorder import TraceRecorder
 from agentcache.scout.warmup import Warmup, WarmupCoordinator
-from agentcache.segments import AgentCall, Segment, output_slot
+from agentcache.segments import AgentCall, DispatchEvent, Segment, output_slot
 
 __all__ = ["Runtime", "RuntimeConfig"]
 
 log = logging.getLogger(__name__)
+
+_SESSIONS_REMEMBERED = 64  # sessions whose shared texts `shared_texts` keeps
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class Runtime:
         self.strategy = self._vet(self.requested_strategy)
         self.corrector = Corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
         self.results: list[CallResult] = []
+        self.events: list[DispatchEvent] = []  # the adapters' dispatch events, in call order
+        self._shared_texts: OrderedDict[str | None, dict[str, str]] = OrderedDict()  # session -> text -> slot
         self._last_output: dict[str, str] = {}
         self._id = uuid.uuid4().hex[:12]
         self._lock = threading.RLock()
@@ -138,17 +144,48 @@ class Runtime:
 
     # --- running calls -------------------------------------------------------------------
 
-    def run(self, call: AgentCall, sampling: SamplingParams | None = None) -> CallResult:
-        """Run one agent call and return its text, timings and per-segment decisions."""
+    def run(
+        self,
+        call: AgentCall,
+        sampling: SamplingParams | None = None,
+        *,
+        event: DispatchEvent | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> CallResult:
+        """Run one agent call and return its text, timings and per-segment decisions.
+
+        `event` is the adapter's dispatch event for this call (it must name the call's agent and
+        session); `on_token` is called with each generated token id as it is produced."""
         if not isinstance(call, AgentCall):
             raise TypeError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
+        if event is not None:
+            if not isinstance(event, DispatchEvent):
+                raise TypeError(f"event must be a DispatchEvent, got {type(event).__name__}")
+            if (event.agent, event.session) != (call.agent, call.session):
+                raise PlanError(f"dispatch event for agent {event.agent!r} (session {event.session!r}) does not "
+                                f"match the call of agent {call.agent!r} (session {call.session!r})")
         sampling = sampling or SamplingParams()
         started = time.perf_counter()  # TTFT includes waiting for a call or warm-up holding the runtime
         with self._lock, torch.inference_mode():
-            result = self._run(call, sampling, started)
+            queued = time.perf_counter() - started  # waiting for other calls or a warm-up
+            result = self._run(call, sampling, started, queued, on_token)
+            if event is not None:  # events and results stay aligned: a failed call records neither
+                self.events.append(event)
             if self.warmup_coordinator is not None:
                 self._plan_warmup(call.session)
         return result
+
+    async def arun(
+        self,
+        call: AgentCall,
+        sampling: SamplingParams | None = None,
+        *,
+        event: DispatchEvent | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> CallResult:
+        """`run` on a worker thread, so a framework's event loop keeps going while the engine works.
+        Concurrent calls are safe: they run one at a time on the engine."""
+        return await asyncio.to_thread(self.run, call, sampling, event=event, on_token=on_token)
 
     # --- warm-up (CacheScout) --------------------------------------------------------------
 
@@ -208,6 +245,23 @@ class Runtime:
             raise PlanError(f"agent {agent!r} has produced no output yet; known: {sorted(self._last_output)}")
         return Segment.ph(output_slot(agent), self._last_output[agent])
 
+    def shared_texts(self, session: str | None = None) -> dict[str, str]:
+        """The shared texts (PH contents and agents' outputs, stripped) seen in `session`, each
+        with its slot: what an adapter can find quoted inside a monolithic prompt."""
+        with self._lock:
+            return dict(self._shared_texts.get(session, {}))
+
+    def _remember_texts(self, call: AgentCall, output: str) -> None:
+        texts = self._shared_texts.setdefault(call.session, {})
+        self._shared_texts.move_to_end(call.session)
+        for seg in call.segments:
+            if seg.kind == "ph" and seg.text and seg.text.strip():
+                texts.setdefault(seg.text.strip(), seg.slot)
+        if output.strip():
+            texts[output.strip()] = output_slot(call.agent)
+        while len(self._shared_texts) > _SESSIONS_REMEMBERED:
+            self._shared_texts.popitem(last=False)
+
     def _lineage(self, call: AgentCall) -> str:
         """Salt for the approximate KV a call caches: only this agent's later calls in the same
         runtime and session may be served from it."""
@@ -232,7 +286,10 @@ class Runtime:
                 ids.insert(0, [bos])
         return segments, ids
 
-    def _run(self, call: AgentCall, sampling: SamplingParams, started: float) -> CallResult:
+    def _run(
+        self, call: AgentCall, sampling: SamplingParams, started: float, queued: float,
+        on_token: Callable[[int], None] | None,
+    ) -> CallResult:
         agent = call.agent
         lineage = self._lineage(call)
         segments, token_lists = self._tokenize(call)
@@ -268,7 +325,8 @@ class Runtime:
             pos = end
 
         try:
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session))
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent,
+                                                     session=call.session, on_token=on_token))
         except (KVShapeError, RopeAlignmentError) as exc:
             if not any(p.plan.step is Step.INJECT for p in pieces):
                 raise
@@ -278,7 +336,8 @@ class Runtime:
                 if decision.reused:
                     decisions[index] = PHDecision("fallback", reason="engine_rejected")
             pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session))
+            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session,
+                                                     on_token=on_token))
         first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
         ttft = first_token - started
 
@@ -288,9 +347,10 @@ class Runtime:
         kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
         reports = self._commit(agent, segments, token_lists, outcomes, decisions, result, kvs)
         self._last_output[agent] = result.text
+        self._remember_texts(call, result.text)
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
-            ttft_s=ttft, total_s=time.perf_counter() - started, prompt_tokens=result.prompt_tokens,
+            ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
@@ -375,13 +435,15 @@ class Runtime:
             warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,
             warmup_faults=self.warmup_faults,
             warmup_s=self.warmup_s,
+            dispatches=dict(Counter(f"{e.framework}:{e.agent}" for e in self.events)),
         )
         return figures
 
     def export_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"summary": self.summary(), "calls": [r.to_dict() for r in self.results]}
+        payload = {"summary": self.summary(), "calls": [r.to_dict() for r in self.results],
+                   "events": [e.model_dump() for e in self.events]}
         path.write_text(json.dumps(payload, indent=2))
         return path
 

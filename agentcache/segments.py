@@ -1,12 +1,14 @@
-"""What adapters hand the runtime: agent calls made of PF and PH segments (KVCMAS Eq. 1)."""
+"""What adapters hand the runtime: agent calls made of PF and PH segments (KVCMAS Eq. 1), and the
+dispatch event that says which agent of which framework and session runs now."""
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Segment", "AgentCall", "output_slot"]
+__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot"]
 
 
 def output_slot(agent: str) -> str:
@@ -77,4 +79,26 @@ class AgentCall(BaseModel):
     def _some_segments(cls, value: tuple[Segment, ...]) -> tuple[Segment, ...]:
         if not value:
             raise ValueError("an agent call needs at least one segment")
+        return value
+
+
+class DispatchEvent(BaseModel):
+    """An adapter's word that `agent` runs now (CacheScout's dispatch). The runtime checks it
+    against the call it comes with, keeps it in `Runtime.events`, and the call's agent and
+    session reach the eviction policy and the warm-up coordinator."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agent: str
+    session: str | None = None
+    framework: str  # "autogen", "langgraph", "runtime", ...
+    caller: str | None = None  # the framework's own id of the caller (an AutoGen agent id, a graph node)
+    messages: int = Field(default=0, ge=0)  # messages the framework handed the model
+    at: float = Field(default_factory=time.time)  # wall clock, seconds
+
+    @field_validator("agent", "framework")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value or not value.strip():
+            raise ValueError("a dispatch event needs a non-empty agent and framework")
         return value

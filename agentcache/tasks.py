@@ -16,7 +16,7 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.segments import AgentCall, Segment, output_slot
 
-__all__ = ["Problem", "fact_problem", "arithmetic_problem", "first_number", "FourAgentWorkflow"]
+__all__ = ["Problem", "fact_problem", "arithmetic_problem", "gsm8k_style_problem", "first_number", "FourAgentWorkflow"]
 
 _NAMES = ["Alice", "Bruno", "Chen", "Dana", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kofi", "Lena",
           "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Yara"]
@@ -49,6 +49,38 @@ def arithmetic_problem(seed: int) -> Problem:
     text = (f"{name} has {start} marbles. {name} buys {bought} more marbles and then gives away {given} marbles. "
             f"Each marble is worth {price} dollars. How many dollars are {name}'s marbles worth now?")
     return Problem(text, (start + bought - given) * price, "the answer is")
+
+
+_CITIES = ["Lisbon", "Porto", "Lyon", "Turin", "Ghent", "Malmo", "Bergen", "Krakow", "Seville", "Graz"]
+# (question, answer) templates over three drawn numbers a, b, c and a name n, GSM8K-style (two steps)
+_WORD_PROBLEMS: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (
+    ("{n} bakes {a} cookies in the morning and {b} cookies in the afternoon, then gives {c} cookies to friends. "
+     "How many cookies does {n} have left?", lambda a, b, c: a + b - c),
+    ("A box holds {a} pencils. A teacher buys {b} boxes and hands out {c} pencils to the class. "
+     "How many pencils does the teacher have left?", lambda a, b, c: a * b - c),
+    ("{n} earns {a} dollars per hour and works {b} hours on Monday and {c} hours on Tuesday. "
+     "How many dollars does {n} earn on the two days?", lambda a, b, c: a * (b + c)),
+    ("A train travels at {a} kilometres per hour for {b} hours and then {c} more kilometres. "
+     "How many kilometres does the train travel in total?", lambda a, b, c: a * b + c),
+    ("{n} has {a} stickers and buys {b} packs of {c} stickers each. How many stickers does {n} have now?",
+     lambda a, b, c: a + b * c),
+)
+
+
+def gsm8k_style_problem(seed: int, background: int = 2) -> Problem:
+    """A two-step word problem with a known integer answer, after `background` sentences of
+    irrelevant detail (as GSM8K problems carry), so the shared question is a few lines long."""
+    rng = random.Random(seed)
+    name, city = rng.choice(_NAMES), rng.choice(_CITIES)
+    template, solve = rng.choice(_WORD_PROBLEMS)
+    a, b = rng.randint(3, 12), rng.randint(2, 9)
+    c = rng.randint(1, min(a + b - 1, 9))  # keeps every template's answer positive
+    facts = [f"{name} lives in {city} with {rng.randint(2, 5)} cats.",
+             f"On weekends {name} walks {rng.randint(2, 9)} kilometres along the river.",
+             f"{name}'s favourite number is {rng.randint(10, 99)}, but it plays no part here.",
+             f"The local market opens at {rng.randint(6, 9)} in the morning."]
+    text = " ".join(facts[:background] + [template.format(n=name, a=a, b=b, c=c)])
+    return Problem(text, solve(a, b, c), "the answer is")
 
 
 def first_number(text: str) -> int | None:

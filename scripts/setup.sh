@@ -6,7 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
-extras="${AGENTCACHE_EXTRAS:-dev,bench}"
+extras="${AGENTCACHE_EXTRAS:-dev,bench,autogen,langgraph}"
 
 if [ ! -x "$venv/bin/python" ]; then
     echo "agentcache setup: creating $venv"

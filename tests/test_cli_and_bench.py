@@ -10,14 +10,52 @@ from agentcache.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_runs_and_writes_a_report(tmp_path, capsys):
-    assert main(["demo", "--model", "tiny-llama", "--max-tokens", "4", "--results", str(tmp_path)]) == 0
+def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
+    assert main(["demo", "--model", "tiny-llama", "--problems", "2", "--expert-tokens", "4", "--decision-tokens", "4",
+                 "--results", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "demo.json").read_text())
-    assert [c["agent"] for c in report["calls"]] == ["planner", "local_guide", "language", "summary", "planner"]
-    # The planner's second turn starts with its own cached system prompt and the shared query.
-    assert report["calls"][-1]["cached_tokens"] > 0
-    assert 0 < report["hit_rate"] < 1
-    assert "prefix-cache hit rate" in capsys.readouterr().out
+    assert (tmp_path / "demo.png").stat().st_size > 0
+    rows = {row["strategy"]: row for row in report["strategies"]}
+    assert set(rows) == {"kvcmas", "nonshared", "fullshared"}
+    for row in rows.values():
+        assert row["calls"] == 2 * 4  # three experts and the decision agent per problem
+        assert {"accuracy", "agree", "ttft_mean_s", "reuse_ratio", "hit_rate", "decision_ttft_s"} <= row.keys()
+        assert set(row["per_agent_ttft_s"]) == {"math_solver", "math_analyst", "programmer", "decision"}
+    assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.5
+    assert rows["kvcmas"]["ttft_vs_baseline"] > 0 and rows["nonshared"]["agree"] == 1.0
+    out = capsys.readouterr().out
+    assert "reuse ratio" in out and "kvcmas" in out and "demo.png" in out
+
+
+def test_bench_command_lists_and_runs_benchmarks(tmp_path, capsys):
+    assert main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"hit_rate", "scout_overhead", "ttft", "fidelity"} <= set(listed) and "_report" not in listed
+    assert main(["bench", "scout_overhead", "--quick", "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_quick.json").read_text())
+    assert report["scout_overhead"]["result"]["state_bytes_24"] > 0
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        main(["bench", "no_such_bench"])
+
+
+def test_trace_generate_record_and_replay(tmp_path, capsys):
+    generated = tmp_path / "selector.jsonl"
+    assert main(["trace", "generate", str(generated), "--sessions", "6", "--turns", "6"]) == 0
+    assert main(["trace", "replay", str(generated), "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rates = {p: row["hit_rate"] for p, row in replayed["policies"].items()}
+    assert set(rates) == {"lru", "ttl", "survival", "survival_prefetch", "belady"}
+    assert rates["belady"] >= rates["lru"]
+
+    recorded = tmp_path / "swarm.jsonl"
+    assert main(["trace", "record", str(recorded), "--model", "tiny-llama", "--problems", "2",
+                 "--max-tokens", "4"]) == 0
+    from agentcache.scout.workloads import Trace
+
+    trace = Trace.load(recorded)
+    assert len(trace) == 8 and set(trace.agents) == {"math_solver", "math_analyst", "programmer", "decision"}
+    assert main(["trace", "replay", str(recorded), "--policies", "lru,survival", "--capacity", "2"]) == 0
+    assert "survival" in capsys.readouterr().out
 
 
 def test_models_command_lists_presets(capsys):
@@ -39,37 +77,71 @@ def test_engine_bench_prints_one_json_object_with_the_issue_keys():
     assert result["prefill_throughput_ratio"] > 0 and result["prefix_hit_ttft_ratio"] > 0
 
 
-def _readme_snippets() -> list[str]:
+def _readme_snippet(marker: str) -> str:
+    """The README's python snippet that contains `marker` (exactly one does)."""
     import re
 
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    found = [s for s in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if marker in s]
+    assert len(found) == 1, f"{len(found)} README snippets contain {marker!r}"
+    return found[0]
 
 
-def _run_snippet(snippet: str) -> dict:
-    namespace: dict = {"print": lambda *a: None}
-    exec(compile(snippet.replace('"gemma3-270m"', '"tiny-llama"'), "README.md", "exec"), namespace)
+def _run_snippet(snippet: str, directory: Path) -> dict:
+    """Run a README snippet on tiny-llama, in `directory` (snippets may write files)."""
+    import os
+
+    namespace: dict = {"print": lambda *a: None, "__name__": "readme_snippet"}
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        exec(compile(snippet.replace('"gemma3-270m"', '"tiny-llama"'), "README.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
     return namespace
 
 
-def test_readme_engine_snippet_runs():
-    namespace = _run_snippet(_readme_snippets()[0])
+def test_readme_engine_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("SegmentPlan("), tmp_path)
     assert namespace["result"].segments[1].kv.length == namespace["query_kv"].length > 0
 
 
-def test_readme_runtime_snippet_runs():
-    namespace = _run_snippet(_readme_snippets()[1])
+def test_readme_runtime_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("rt.output_segment"), tmp_path)
     final, rt = namespace["final"], namespace["rt"]
     assert [s.name for s in final.segments if s.kind == "ph"] == ["query", "out:planner", "out:local"]
     assert rt.summary()["calls"] == 3 and rt.strategy.name == "kvcmas"
 
 
-def test_readme_scout_snippet_runs():
-    namespace = _run_snippet(_readme_snippets()[2])
+def test_readme_scout_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("TraceRecorder"), tmp_path)
     rt, engine, trace = namespace["rt"], namespace["engine"], namespace["trace"]
     assert engine.pool.policy.name == "survival" and engine.pool.policy.learner.dispatches == 9
     assert engine.pool.policy.learner.predict("planner") == "local"
     assert len(trace) == 9 and trace.agents == ("planner", "local", "summary")
     assert sum(rt.summary()["warmups"].values()) == 9  # one decision after every call
+
+
+def test_readme_autogen_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("SelectorGroupChat"), tmp_path)
+    runtime, result = namespace["runtime"], namespace["result"]
+    agents = {r.agent for r in runtime.results}
+    assert "selector" in agents and len(agents & {"planner", "local", "summary"}) >= 1
+    assert [m.source for m in result.messages][0] == "user" and len(result.messages) == 4
+    assert {e.framework for e in runtime.events} == {"autogen"} and len(runtime.events) == len(runtime.results)
+    exported = json.loads((tmp_path / "autogen_run.json").read_text())
+    assert len(exported["calls"]) == len(runtime.results) and exported["summary"]["calls"] == len(runtime.results)
+
+
+def test_readme_langgraph_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("agent_node"), tmp_path)
+    runtime = namespace["model"].runtime
+    assert sorted(r.agent for r in runtime.results) == ["checker", "judge", "solver"]
+    judge = next(r for r in runtime.results if r.agent == "judge")
+    assert [s.name for s in judge.segments if s.kind == "ph"][0] == "query"
+    assert {"out:checker", "out:solver"} <= {s.name for s in judge.segments if s.kind == "ph"} or \
+        not all(r.text for r in runtime.results if r.agent != "judge")  # an empty reply is left out
+    assert {e.session for e in runtime.events} == {"problem-1"}
+    assert isinstance(namespace["out"]["answer"], str)
 
 
 def _quick(script: str, *extra: str) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -247,7 +247,7 @@ class EmbeddedEngine:
             approx_positions = [i * bs for i, b in enumerate(chain) if not b.exact] + [first_inject_approx]
             first_approx = min((p for p in approx_positions if p is not None), default=None)
 
-            generated, text, finish, ttft = self._decode(cache, logits, sampling, started)
+            generated, text, finish, ttft = self._decode(cache, logits, sampling, started, request.on_token)
             outcomes = [
                 SegmentOutcome(
                     name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
@@ -336,7 +336,8 @@ class EmbeddedEngine:
         return logits
 
     def _decode(
-        self, cache: CallCache, logits: torch.Tensor, sampling: SamplingParams, started: float
+        self, cache: CallCache, logits: torch.Tensor, sampling: SamplingParams, started: float,
+        on_token: Callable[[int], None] | None = None,
     ) -> tuple[list[int], str, str, float]:
         generator = None
         if sampling.temperature > 0 and sampling.seed is not None:
@@ -346,6 +347,8 @@ class EmbeddedEngine:
         generated = [token]
         text, finish = "", "length"
         while True:
+            if on_token is not None:
+                on_token(token)
             if token in self.eos_token_ids and not sampling.ignore_eos:
                 finish = "eos"
                 break

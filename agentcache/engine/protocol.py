@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -99,6 +99,7 @@ class ExecRequest:
     warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
     # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
     capture_kv: bool = True  # hand back each segment's KV (copies)
+    on_token: Callable[[int], None] | None = field(default=None, compare=False)  # called with each generated token
 
     def __post_init__(self) -> None:
         if not self.segments:

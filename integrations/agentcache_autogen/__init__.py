@@ -1,0 +1,10 @@
+"""agentcache for AutoGen: a `ChatCompletionClient` (autogen-core 0.7) backed by an agentcache Runtime."""
+
+from agentcache_autogen.client import (
+    SELECTOR,
+    AgentCacheChatCompletionClient,
+    UnsupportedMessageError,
+    UnsupportedRequestError,
+)
+
+__all__ = ["AgentCacheChatCompletionClient", "SELECTOR", "UnsupportedMessageError", "UnsupportedRequestError"]

@@ -1,0 +1,290 @@
+"""An autogen-core `ChatCompletionClient` backed by an agentcache `Runtime`.
+
+    runtime = Runtime(model="gemma3-270m")
+    client = AgentCacheChatCompletionClient(runtime)          # one client for a whole team
+    team = SelectorGroupChat([planner, local, ...], model_client=client)
+
+Which agent calls: the client's `agent`, or else the AutoGen agent whose message handler is
+running (a team's participants by name; the team's selector as `selector`). The team's id is
+the session. Messages become segments through `agentcache.transcript`: system messages and tool
+schemas are PF, a user's message is PH `query`, another agent's message PH `out:<agent>`, the
+caller's own earlier message PH `out:<self>`, and the headers framing each message are PF glue.
+The selector's prompt quotes the conversation inside its own wording: the quoted messages the
+runtime has seen in this session become PH segments, the wording PF.
+
+What it refuses, with a clear error: images and other non-text content, `json_output`, tool
+calls (`tool_choice="required"` or a specific tool; the runtime only generates text, so
+`model_info` says `function_calling=False` and AutoGen agents will not offer it tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncGenerator, Literal, Mapping, Sequence
+
+from autogen_core import CancellationToken, FunctionCall, Image, MessageHandlerContext
+from autogen_core.models import (
+    AssistantMessage,
+    ChatCompletionClient,
+    CreateResult,
+    FunctionExecutionResultMessage,
+    LLMMessage,
+    ModelFamily,
+    ModelInfo,
+    RequestUsage,
+    SystemMessage,
+    UserMessage,
+)
+from autogen_core.tools import Tool, ToolSchema
+
+from agentcache.engine.protocol import SamplingParams
+from agentcache.metrics import CallResult
+from agentcache.runtime import Runtime
+from agentcache.segments import AgentCall, DispatchEvent
+from agentcache.streaming import TextStream
+from agentcache.transcript import TRANSCRIPT_STOP, ChatTurn, UnsupportedMessageError, build_call
+
+__all__ = ["AgentCacheChatCompletionClient", "UnsupportedMessageError", "UnsupportedRequestError"]
+
+SELECTOR = "selector"
+_MANAGER_SUFFIX = "GroupChatManager"  # AutoGen names a team's manager type "<Kind>GroupChatManager_<team id>"
+_CREATE_ARGS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+
+
+class UnsupportedRequestError(ValueError):
+    """A request the runtime cannot honour: JSON output, forced tool calls, unknown create arguments."""
+
+
+class AgentCacheChatCompletionClient(ChatCompletionClient):
+    """`ChatCompletionClient` for autogen-core 0.7 that runs every call through `runtime`."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        agent: str | None = None,
+        session: str | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        stop: Sequence[str] = TRANSCRIPT_STOP,
+    ) -> None:
+        if not isinstance(runtime, Runtime):
+            raise TypeError(f"runtime must be an agentcache Runtime, got {type(runtime).__name__}")
+        self.runtime = runtime
+        self.agent = agent
+        self.session = session
+        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=tuple(stop))
+        self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
+        self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
+        self._usage_lock = threading.Lock()
+        self.results: list[CallResult] = []  # this client's calls, in order
+
+    def for_agent(self, agent: str, session: str | None = None) -> "AgentCacheChatCompletionClient":
+        """A client on the same runtime that always calls as `agent` (one client per agent)."""
+        return AgentCacheChatCompletionClient(
+            self.runtime, agent=agent, session=session or self.session, max_tokens=self.sampling.max_tokens,
+            temperature=self.sampling.temperature, stop=self.sampling.stop)
+
+    # --- who calls -------------------------------------------------------------------------
+
+    def caller(self) -> tuple[str, str | None, str | None]:
+        """(agent, session, AutoGen agent id) of the current call."""
+        try:
+            agent_id = MessageHandlerContext.agent_id()
+        except RuntimeError:
+            agent_id = None
+        if self.agent is not None:  # inside a team the team's id is still the session
+            return self.agent, self.session or (agent_id.key if agent_id else None), str(agent_id) if agent_id else None
+        if agent_id is None:
+            raise ValueError("cannot tell which agent is calling: outside an AutoGen message handler, give the "
+                             "client an agent name (AgentCacheChatCompletionClient(runtime, agent='planner'))")
+        kind, key = agent_id.type, agent_id.key
+        name = kind[: -len(key) - 1] if kind.endswith(f"_{key}") else kind  # a team's types end with its id
+        if name.endswith(_MANAGER_SUFFIX):
+            name = SELECTOR
+        return name, self.session or key, str(agent_id)
+
+    # --- messages to segments --------------------------------------------------------------
+
+    def to_call(
+        self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema] = (), *,
+        agent: str | None = None, session: str | None = None,
+    ) -> AgentCall:
+        """The agentcache call these messages make (agent and session default to the caller's)."""
+        if agent is None:
+            agent, session, _ = self.caller()
+        system, turns = [], []
+        for index, message in enumerate(messages):
+            if isinstance(message, SystemMessage):
+                system.append(message.content)
+            elif isinstance(message, UserMessage):
+                text = _text_of(message.content, index)
+                role = "user" if message.source == "user" else "agent"
+                turns.append(ChatTurn(role, message.source, text))
+            elif isinstance(message, AssistantMessage):
+                turns.append(ChatTurn("agent", message.source or agent, _text_of(message.content, index)))
+            elif isinstance(message, FunctionExecutionResultMessage):
+                turns.extend(ChatTurn("tool", result.name or "tool", result.content) for result in message.content)
+            else:
+                raise UnsupportedMessageError(
+                    f"message {index} is a {type(message).__name__}; the agentcache client maps SystemMessage, "
+                    "UserMessage, AssistantMessage and FunctionExecutionResultMessage")
+        known = self.runtime.shared_texts(session) if agent == SELECTOR else None
+        schemas = [tool.schema if isinstance(tool, Tool) else tool for tool in tools]
+        return build_call(agent, system, turns, tools=schemas, session=session, known=known)
+
+    def _request(
+        self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
+        json_output: Any, extra_create_args: Mapping[str, Any],
+    ) -> tuple[AgentCall, SamplingParams, DispatchEvent]:
+        if json_output is not None and json_output is not False:
+            raise UnsupportedRequestError(
+                "json_output is not supported: the agentcache runtime generates free text without constrained "
+                "decoding; ask for JSON in the prompt and parse the text instead")
+        if tool_choice not in ("auto", "none"):
+            raise UnsupportedRequestError(
+                f"tool_choice={tool_choice!r} cannot be honoured: the agentcache runtime does not emit tool calls "
+                "(tool schemas are shown to the model as text only)")
+        unknown = set(extra_create_args) - _CREATE_ARGS
+        if unknown:
+            raise UnsupportedRequestError(f"unsupported create arguments {sorted(unknown)}; use {sorted(_CREATE_ARGS)}")
+        agent, session, caller = self.caller()
+        call = self.to_call(messages, tools, agent=agent, session=session)
+        fields = {"max_tokens": self.sampling.max_tokens, "temperature": self.sampling.temperature,
+                  "top_p": self.sampling.top_p, "stop": self.sampling.stop, "seed": self.sampling.seed}
+        fields.update(extra_create_args)
+        if isinstance(fields["stop"], str):
+            fields["stop"] = (fields["stop"],)
+        sampling = SamplingParams(**fields)
+        event = DispatchEvent(agent=agent, session=session, framework="autogen", caller=caller,
+                              messages=len(messages))
+        return call, sampling, event
+
+    def _result(self, result: CallResult) -> CreateResult:
+        completion = len(result.token_ids)
+        with self._usage_lock:
+            self.results.append(result)
+            self._total = _add(self._total, RequestUsage(prompt_tokens=result.prompt_tokens,
+                                                         completion_tokens=completion))
+            # What the engine actually prefilled: prefix-cache hits and reused shared segments are not.
+            prefilled = result.prompt_tokens - result.cached_tokens - result.reused_tokens
+            self._actual = _add(self._actual, RequestUsage(prompt_tokens=prefilled, completion_tokens=completion))
+        finish: Literal["stop", "length"] = "length" if result.finish_reason == "length" else "stop"
+        return CreateResult(finish_reason=finish, content=result.text,
+                            usage=RequestUsage(prompt_tokens=result.prompt_tokens, completion_tokens=completion),
+                            cached=False)
+
+    # --- the ChatCompletionClient interface --------------------------------------------------
+
+    async def create(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: bool | type | None = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: CancellationToken | None = None,
+    ) -> CreateResult:
+        call, sampling, event = self._request(messages, tools, tool_choice, json_output, extra_create_args)
+        task = asyncio.ensure_future(self.runtime.arun(call, sampling, event=event))
+        if cancellation_token is not None:
+            cancellation_token.link_future(task)  # cancels the wait; the engine finishes the call it started
+        return self._result(await task)
+
+    async def create_stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: bool | type | None = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: CancellationToken | None = None,
+        include_usage: bool | None = None,
+    ) -> AsyncGenerator[str | CreateResult, None]:
+        """Text chunks as the engine generates them, then the `CreateResult`."""
+        call, sampling, event = self._request(messages, tools, tool_choice, json_output, extra_create_args)
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[str] = asyncio.Queue()
+        stream = TextStream(self.runtime.engine.detokenize, sampling.stop)
+
+        def on_token(token_id: int) -> None:  # on the runtime's worker thread
+            piece = stream.push(token_id)
+            if piece:
+                loop.call_soon_threadsafe(chunks.put_nowait, piece)
+
+        task = asyncio.ensure_future(self.runtime.arun(call, sampling, event=event, on_token=on_token))
+        if cancellation_token is not None:
+            cancellation_token.link_future(task)
+        while not task.done() or not chunks.empty():
+            getter = asyncio.ensure_future(chunks.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+        result = task.result()
+        rest = stream.finish(result.text)
+        if rest:
+            yield rest
+        yield self._result(result)
+
+    async def close(self) -> None:
+        """Waits for a pending warm-up; the runtime stays open (other clients may share it)."""
+        await asyncio.to_thread(self.runtime.wait_warmup)
+
+    def actual_usage(self) -> RequestUsage:
+        """Tokens the engine computed: prompt tokens minus prefix hits and reused shared tokens."""
+        return self._actual
+
+    def total_usage(self) -> RequestUsage:
+        return self._total
+
+    def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        try:  # the caller's own cue and (for the selector) split, so the count matches its call
+            agent, session, _ = self.caller()
+        except ValueError:
+            agent, session = "counting", self.session
+        call = self.to_call(messages, tools, agent=agent, session=session)
+        engine = self.runtime.engine
+        tokens = sum(len(list(s.token_ids) if s.token_ids is not None else engine.tokenize(s.text))
+                     for s in call.segments)
+        return tokens + (1 if engine.bos_token_id is not None else 0)
+
+    def remaining_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        return self.runtime.engine.max_context - self.count_tokens(messages, tools=tools)
+
+    @property
+    def capabilities(self) -> dict[str, bool]:  # deprecated in autogen-core, still abstract there
+        return {"vision": False, "function_calling": False, "json_output": False}
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(vision=False, function_calling=False, json_output=False, family=ModelFamily.UNKNOWN,
+                         structured_output=False, multiple_system_messages=True)
+
+
+def _text_of(content: str | list[Any], index: int) -> str:
+    """A message's text; images and other parts are refused (never dropped silently)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, FunctionCall):
+            parts.append(f"call {part.name}({part.arguments})")
+        elif isinstance(part, Image):
+            raise UnsupportedMessageError(f"message {index} contains an image: the agentcache runtime is text-only")
+        else:
+            raise UnsupportedMessageError(
+                f"message {index} contains a {type(part).__name__} part: the agentcache client maps text only")
+    return "\n".join(parts)
+
+
+def _add(a: RequestUsage, b: RequestUsage) -> RequestUsage:
+    return RequestUsage(prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+                        completion_tokens=a.completion_tokens + b.completion_tokens)
+

@@ -1,0 +1,23 @@
+"""LangGraph adapter for agentcache.
+
+    from agentcache import Runtime
+    from agentcache_langgraph import AgentCacheChatModel, agent_node
+
+    model = AgentCacheChatModel(runtime=Runtime())
+
+    @agent_node("critic")
+    def critic(state, config):
+        return {"messages": [model.invoke(state["messages"])]}
+
+Each model call inside a node decorated with `@agent_node(name)` runs as agent `name` (outside
+one, as the model's `agent`), in the session of the graph's `thread_id`, with a dispatch event
+for CacheScout. Messages become the shared transcript layout of `agentcache.transcript`, so the
+agents of one graph reuse each other's KV for the query and for each other's outputs.
+"""
+
+from agentcache.transcript import UnsupportedMessageError
+
+from agentcache_langgraph.chat_model import AgentCacheChatModel, UnsupportedFeatureError
+from agentcache_langgraph.nodes import agent_node, current_agent
+
+__all__ = ["AgentCacheChatModel", "agent_node", "current_agent", "UnsupportedMessageError", "UnsupportedFeatureError"]

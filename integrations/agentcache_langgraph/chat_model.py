@@ -1,0 +1,272 @@
+"""`AgentCacheChatModel`: a LangChain chat model that runs every call through an agentcache Runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field
+
+from agentcache.engine.protocol import SamplingParams
+from agentcache.metrics import CallResult
+from agentcache.runtime import Runtime
+from agentcache.segments import AgentCall, DispatchEvent
+from agentcache.streaming import TextStream
+from agentcache.transcript import TRANSCRIPT_STOP
+
+from agentcache_langgraph.messages import AGENT_KEY, to_call
+from agentcache_langgraph.nodes import current_node, graph_context
+
+__all__ = ["AgentCacheChatModel", "UnsupportedFeatureError"]
+
+FRAMEWORK = "langgraph"
+_SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed")
+_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format")
+_IGNORED_KWARGS = ("stream",)  # LangChain's own switch, already acted on when we are called
+_DONE = object()
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """A LangChain feature the agentcache runtime cannot provide (tool calls, structured output)."""
+
+
+_NO_TOOLS = ("the agentcache runtime generates plain text and cannot emit tool calls; describe the tools in "
+             "the system prompt and parse the model's text instead")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    call: AgentCall
+    sampling: SamplingParams
+    event: DispatchEvent
+
+
+class AgentCacheChatModel(BaseChatModel):
+    """A chat model served by an `agentcache.Runtime`, for LangGraph nodes.
+
+    Messages are laid out with the shared transcript format (`agentcache.transcript`): system
+    messages are the agent's private prefix, every other message a shared segment that other
+    agents' calls can reuse. The calling agent is the innermost `@agent_node` in effect, else the
+    `agent` field; the session is the `session` field, else the graph run's `thread_id`.
+
+    Not supported, and refused with `UnsupportedFeatureError`: `bind_tools` (the runtime emits no
+    tool calls; put tool descriptions in the system prompt) and `with_structured_output` (no
+    constrained decoding).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    runtime: Runtime
+    agent: str | None = None  # the default agent; an enclosing @agent_node overrides it
+    session: str | None = None  # None: the LangGraph thread_id when called inside a graph
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    stop: tuple[str, ...] = TRANSCRIPT_STOP
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentcache"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.runtime.engine.model_name, "strategy": self.runtime.strategy.name,
+                "agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "stop": list(self.stop)}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "agentcache"
+        params["ls_model_name"] = self.runtime.engine.model_name
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` with the runtime's own tokenizer."""
+        return self.runtime.engine.tokenize(text)
+
+    # --- refusals ------------------------------------------------------------------------
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, **kwargs: Any) -> Any:
+        """Refused: the runtime cannot emit tool calls. Describe tools in the system prompt instead."""
+        raise UnsupportedFeatureError(f"AgentCacheChatModel.bind_tools: {_NO_TOOLS}")
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
+        """Refused: the runtime has no constrained decoding. Ask for the format in the prompt and parse the text."""
+        raise UnsupportedFeatureError(
+            "AgentCacheChatModel.with_structured_output: the agentcache runtime has no constrained decoding or "
+            "tool calls; ask for the format in the prompt and parse the model's text instead")
+
+    # --- one call ------------------------------------------------------------------------
+
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Prepared:
+        """The call, sampling and dispatch event for `messages`, as the current node's agent."""
+        tag = current_node()
+        agent = tag.agent if tag is not None else self.agent
+        if not agent:
+            raise ValueError("AgentCacheChatModel does not know which agent is calling: pass agent=... to the "
+                             "model or decorate the LangGraph node with @agent_node(name)")
+        thread_id, node = graph_context()
+        session = self.session if self.session is not None else thread_id
+        caller = node or (tag.function if tag is not None else None)
+
+        tool_kwargs = sorted(k for k in kwargs if k in _TOOL_KWARGS)
+        if tool_kwargs:
+            raise UnsupportedFeatureError(f"AgentCacheChatModel got {tool_kwargs}: {_NO_TOOLS}")
+        unknown = sorted(k for k in kwargs if k not in _SAMPLING_KWARGS and k not in _IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"AgentCacheChatModel got unknown keyword arguments {unknown}; "
+                            f"it takes {list(_SAMPLING_KWARGS)} and stop")
+        stops = tuple(dict.fromkeys((*self.stop, *(stop or ()))))  # in order, without repeats
+        options = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        options.update({k: kwargs[k] for k in _SAMPLING_KWARGS if k in kwargs})
+        sampling = SamplingParams(stop=stops, **options)
+
+        call = to_call(messages, agent, session)
+        event = DispatchEvent(agent=agent, session=session, framework=FRAMEWORK, caller=caller,
+                              messages=len(messages))
+        return _Prepared(call, sampling, event)
+
+    def _message_fields(self, result: CallResult, session: str | None) -> dict[str, Any]:
+        """Name and metadata of the reply: timings, cache figures and per-segment decisions."""
+        output = len(result.token_ids)
+        return {
+            "name": result.agent,
+            "response_metadata": {
+                "model_name": self.runtime.engine.model_name,
+                AGENT_KEY: result.agent,
+                "session": session,
+                "finish_reason": result.finish_reason,
+                "ttft_s": result.ttft_s,
+                "queued_s": result.queued_s,  # of ttft_s, waiting behind other calls (a fan-out's siblings)
+                "total_s": result.total_s,
+                "prompt_tokens": result.prompt_tokens,
+                "cached_tokens": result.cached_tokens,
+                "reused_tokens": result.reused_tokens,
+                "decisions": [(s.name, s.decision) for s in result.segments],
+            },
+            "usage_metadata": UsageMetadata(
+                input_tokens=result.prompt_tokens, output_tokens=output, total_tokens=result.prompt_tokens + output,
+                input_token_details={"cache_read": result.cached_tokens}),
+        }
+
+    def _chat_result(self, result: CallResult, prepared: _Prepared) -> ChatResult:
+        message = AIMessage(content=result.text, **self._message_fields(result, prepared.call.session))
+        return ChatResult(generations=[ChatGeneration(message=message)],
+                          llm_output={"model_name": self.runtime.engine.model_name})
+
+    def _chunk(self, text: str, agent: str) -> ChatGenerationChunk:
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, name=agent))
+
+    def _last_chunk(self, stream: TextStream, result: CallResult, prepared: _Prepared) -> ChatGenerationChunk:
+        """The rest of the text (normally nothing) with the call's metadata; LangChain merges it in."""
+        fields = self._message_fields(result, prepared.call.session)
+        return ChatGenerationChunk(message=AIMessageChunk(content=stream.finish(result.text), chunk_position="last",
+                                                          **fields))
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        prepared = self._prepare(messages, stop, kwargs)
+        result = self.runtime.run(prepared.call, prepared.sampling, event=prepared.event)
+        return self._chat_result(result, prepared)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        prepared = self._prepare(messages, stop, kwargs)
+        result = await self.runtime.arun(prepared.call, prepared.sampling, event=prepared.event)
+        return self._chat_result(result, prepared)
+
+    # --- streaming -----------------------------------------------------------------------
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        """Token by token: the call runs on a worker thread and hands final text over a queue."""
+        prepared = self._prepare(messages, stop, kwargs)
+        stream = TextStream(self.runtime.engine.detokenize, prepared.sampling.stop)
+        texts: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        outcome: dict[str, Any] = {}
+
+        def on_token(token_id: int) -> None:
+            text = stream.push(token_id)
+            if text:
+                texts.put(text)
+
+        def work() -> None:
+            try:
+                outcome["result"] = self.runtime.run(prepared.call, prepared.sampling, event=prepared.event,
+                                                     on_token=on_token)
+            except BaseException as exc:  # handed to the consumer below
+                outcome["error"] = exc
+            finally:
+                texts.put(_DONE)
+
+        # If the consumer stops early, the call still finishes on its thread (it holds the runtime).
+        worker = threading.Thread(target=work, name="agentcache-langgraph-stream", daemon=True)
+        worker.start()
+        while (text := texts.get()) is not _DONE:
+            yield self._chunk(text, prepared.call.agent)
+        worker.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        yield self._last_chunk(stream, outcome["result"], prepared)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Token by token without blocking the loop: the worker thread posts final text to an asyncio queue."""
+        prepared = self._prepare(messages, stop, kwargs)
+        stream = TextStream(self.runtime.engine.detokenize, prepared.sampling.stop)
+        loop = asyncio.get_running_loop()
+        texts: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_token(token_id: int) -> None:  # on the runtime's worker thread
+            text = stream.push(token_id)
+            if text:
+                try:
+                    loop.call_soon_threadsafe(texts.put_nowait, text)
+                except RuntimeError:  # the loop closed under an abandoned stream: nobody is listening
+                    pass
+
+        async def produce() -> CallResult:
+            try:
+                return await self.runtime.arun(prepared.call, prepared.sampling, event=prepared.event,
+                                               on_token=on_token)
+            finally:
+                # Posted after every token: the thread's callbacks reach the loop in order, before this.
+                texts.put_nowait(_DONE)
+
+        task = asyncio.create_task(produce())
+        try:
+            while (text := await texts.get()) is not _DONE:
+                yield self._chunk(text, prepared.call.agent)
+            result = await task
+        finally:
+            if not task.done():  # abandoned: let the call finish and keep its error from being reported unread
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        yield self._last_chunk(stream, result, prepared)

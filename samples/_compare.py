@@ -1,0 +1,94 @@
+"""What both samples share: one runtime per strategy over one set of weights, run interleaved,
+and the figures, table and JSON/PNG report that compare them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from agentcache import EmbeddedEngine, Runtime, check_model
+from agentcache.metrics import CallResult, summarize
+
+__all__ = ["StrategyRuns", "figures", "format_table", "write_report"]
+
+
+@dataclass
+class StrategyRuns:
+    """One Runtime per strategy, each on its own block pool over the same model weights. The model
+    self-check runs once and is shared (it does not depend on the strategy)."""
+
+    model: str
+    strategies: Sequence[str]
+    runtimes: dict[str, Runtime] = field(init=False)
+
+    def __post_init__(self) -> None:
+        base = EmbeddedEngine(self.model)
+        check = check_model(base)
+        self.runtimes = {s: Runtime(base.with_config(base.config), strategy=s, check=check) for s in self.strategies}
+
+    def order(self, round_index: int) -> list[str]:
+        """The strategies rotated by round, so none always runs first on a warm machine."""
+        names = list(self.strategies)
+        shift = round_index % len(names)
+        return names[shift:] + names[:shift]
+
+
+def figures(results: Sequence[CallResult], baseline: Sequence[CallResult] | None) -> dict[str, Any]:
+    """Aggregate figures of one strategy's calls; TTFT against the baseline's same calls."""
+    summary = summarize(list(results))
+    out = {key: summary[key] for key in ("calls", "prompt_tokens", "hit_rate", "reuse_ratio", "ttft_mean_s",
+                                         "ttft_p50_s", "ttft_p90_s", "service_ttft_mean_s", "queued_mean_s",
+                                         "ph_decisions", "fallback_reasons")}
+    if baseline:
+        theirs = summarize(list(baseline))
+        for key in ("ttft_mean_s", "service_ttft_mean_s"):
+            ratio_key = key.replace("_mean_s", "_vs_baseline")
+            out[ratio_key] = summary[key] / theirs[key] if summary[key] and theirs[key] else None
+        pairs = [(a.ttft_s - a.queued_s, b.ttft_s - b.queued_s) for a, b in zip(results, baseline)]
+        out["service_ratio_median"] = statistics.median(a / b for a, b in pairs if b > 0) if pairs else None
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A plain-text table; columns are (key, header, format spec)."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([_cell(row.get(key), spec) for key, _, spec in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and spec:
+        return format(value, spec)
+    return str(value)
+
+
+def write_report(report: dict[str, Any], directory: Path, name: str, plot: Any = None) -> list[Path]:
+    """`<name>.json`, and `<name>.png` drawn by `plot(axes_figure)` when matplotlib is installed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / f"{name}.json"]
+    written[0].write_text(json.dumps(report, indent=2, default=str))
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install 'agentcache[bench]'): no plot written")
+            return written
+        fig = plot(plt)
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written

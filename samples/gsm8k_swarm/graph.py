@@ -1,0 +1,82 @@
+"""The swarm as a LangGraph graph: three experts fan out on a question (`Send`), a final
+decision agent fans in and reads the question and their three answers.
+
+Every node is an `@agent_node`, so the model calls it makes are that agent's: the experts'
+prompts are [PF system][PH query][PF cue], the decision agent's
+[PF system][PH query][PF][PH out:math_solver][PF][PH out:math_analyst][PF][PH out:programmer][PF cue].
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any, TypedDict
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from agentcache_langgraph import AgentCacheChatModel, agent_node
+
+__all__ = ["EXPERTS", "DECISION", "SwarmState", "build_swarm"]
+
+# Gemma 3 270M is a base model: each system prompt carries one worked example in the transcript's
+# own layout, so the model sees the form of an answer. The examples are the agents' fixed prefixes.
+_EXAMPLE = ("Mia has 4 bags of 6 apples and eats 5 apples. How many apples does Mia have left?")
+EXPERTS = {
+    "math_solver": "You are the Math Solver. You solve grade-school math word problems step by step.\n\n"
+                   f"### user\n{_EXAMPLE}\n\n### math_solver\n"
+                   "Mia has 4 * 6 = 24 apples. After eating 5 she has 24 - 5 = 19. The answer is 19.",
+    "math_analyst": "You are the Mathematical Analyst. You list the quantities in a word problem and how they "
+                    "combine.\n\n"
+                    f"### user\n{_EXAMPLE}\n\n### math_analyst\n"
+                    "Quantities: 4 bags, 6 apples per bag, 5 eaten. Total is 4 * 6 = 24, minus 5 gives 19. "
+                    "The answer is 19.",
+    "programmer": "You are the Programming Expert. You compute the answer to a word problem with one Python "
+                  "expression.\n\n"
+                  f"### user\n{_EXAMPLE}\n\n### programmer\n"
+                  "answer = 4 * 6 - 5  # 19. The answer is 19.",
+}
+DECISION = "decision"
+DECISION_SYSTEM = ("You are the Final Decision agent. You read a word problem and three experts' answers and "
+                   "give the final answer.\n\n"
+                   f"### user\n{_EXAMPLE}\n\n### math_solver\nThe answer is 19.\n\n### math_analyst\n"
+                   "The answer is 19.\n\n### programmer\nThe answer is 21.\n\n### decision\n"
+                   "The answer is 19.")
+
+
+class SwarmState(TypedDict, total=False):
+    question: str
+    answers: Annotated[list[tuple[str, str]], operator.add]  # (expert, text), in the order they finished
+    final: str
+
+
+def build_swarm(model: AgentCacheChatModel, decision_model: AgentCacheChatModel | None = None) -> Any:
+    """The compiled graph; `decision_model` (e.g. with fewer tokens) defaults to `model`."""
+    decide_with = decision_model or model
+
+    def expert(name: str):
+        @agent_node(name)
+        def node(state: dict[str, Any]) -> dict[str, Any]:
+            reply = model.invoke([SystemMessage(EXPERTS[name]), HumanMessage(state["question"])])
+            return {"answers": [(name, reply.content)]}
+        return node
+
+    @agent_node(DECISION)
+    def decide(state: SwarmState) -> dict[str, Any]:
+        by_expert = dict(state["answers"])
+        messages = [SystemMessage(DECISION_SYSTEM), HumanMessage(state["question"])]
+        # A fixed order, whatever order the experts finished in: the same prompt for every run.
+        messages += [AIMessage(by_expert[name], name=name) for name in EXPERTS if by_expert.get(name)]
+        return {"final": decide_with.invoke(messages).content}
+
+    def fan_out(state: SwarmState) -> list[Send]:
+        return [Send(name, {"question": state["question"]}) for name in EXPERTS]
+
+    graph = StateGraph(SwarmState)
+    for name in EXPERTS:
+        graph.add_node(name, expert(name))
+        graph.add_edge(name, DECISION)
+    graph.add_node(DECISION, decide)
+    graph.add_conditional_edges(START, fan_out, list(EXPERTS))
+    graph.add_edge(DECISION, END)
+    return graph.compile()

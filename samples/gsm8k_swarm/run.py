@@ -1,0 +1,169 @@
+"""Run the GSM8K swarm on a batch of generated problems under several strategies, interleaved,
+and report accuracy, TTFT and reuse for each (the `agentcache demo`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from agentcache.metrics import CallResult
+from agentcache.tasks import first_number, gsm8k_style_problem
+from agentcache_langgraph import AgentCacheChatModel
+from samples._compare import StrategyRuns, figures, format_table, write_report
+from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
+
+__all__ = ["run_batch", "main"]
+
+BASELINE = "nonshared"
+COLUMNS = (
+    ("strategy", "strategy", ""),
+    ("accuracy", "accuracy", ".2f"),
+    ("agree", "same answer as nonshared", ".2f"),
+    ("ttft_mean_s", "mean TTFT s", ".3f"),
+    ("service_ttft_mean_s", "less queueing s", ".3f"),
+    ("service_ttft_vs_baseline", "vs nonshared", ".2f"),
+    ("decision_ttft_s", "decision TTFT s", ".3f"),
+    ("decision_vs_baseline", "vs nonshared", ".2f"),
+    ("reuse_ratio", "reuse ratio", ".2f"),
+    ("hit_rate", "hit rate", ".2f"),
+)
+
+
+def run_batch(
+    model: str = "gemma3-270m",
+    problems: int = 6,
+    strategies: Sequence[str] = ("kvcmas", "nonshared", "fullshared"),
+    *,
+    seed: int = 0,
+    expert_tokens: int = 48,
+    decision_tokens: int = 12,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every problem runs through the swarm once per strategy, the strategies rotated per problem."""
+    if BASELINE not in strategies:
+        strategies = (*strategies, BASELINE)
+    started = time.perf_counter()
+    runs = StrategyRuns(model, strategies)
+    swarms = {}
+    for name, runtime in runs.runtimes.items():
+        experts = AgentCacheChatModel(runtime=runtime, max_tokens=expert_tokens)
+        decider = AgentCacheChatModel(runtime=runtime, max_tokens=decision_tokens)
+        swarms[name] = build_swarm(experts, decider)
+    setup_s = time.perf_counter() - started
+
+    answers: dict[str, list[int | None]] = {s: [] for s in strategies}
+    calls: dict[str, list[CallResult]] = {s: [] for s in strategies}
+    finals: dict[str, list[str]] = {s: [] for s in strategies}
+    batch = [gsm8k_style_problem(seed + i) for i in range(problems)]
+    bar = _progress(problems * len(strategies), progress)
+    for index, problem in enumerate(batch):
+        for name in runs.order(index):
+            bar.set_postfix_str(f"problem {index + 1}, {name}")
+            runtime = runs.runtimes[name]
+            before = len(runtime.results)
+            state = swarms[name].invoke({"question": problem.text},
+                                        {"configurable": {"thread_id": f"{name}-{index}"}})
+            # The experts ran concurrently: keep each problem's calls in a fixed agent order for pairing.
+            made = sorted(runtime.results[before:], key=lambda r: _AGENT_ORDER[r.agent])
+            calls[name].extend(made)
+            finals[name].append(state["final"])
+            answers[name].append(stated_answer(state["final"]))
+            bar.update(1)
+    bar.close()
+
+    truth = [p.answer for p in batch]
+    rows = []
+    for name in strategies:
+        runtime = runs.runtimes[name]
+        row = {"strategy": name, **figures(calls[name], calls[BASELINE] if name != BASELINE else None)}
+        row["accuracy"] = sum(a == t for a, t in zip(answers[name], truth)) / problems
+        row["agree"] = sum(a == b for a, b in zip(answers[name], answers[BASELINE])) / problems
+        decision = [r for r in calls[name] if r.agent == DECISION]
+        base_decision = [r for r in calls[BASELINE] if r.agent == DECISION]
+        row["decision_ttft_s"] = sum(r.ttft_s for r in decision) / len(decision)
+        row["decision_vs_baseline"] = row["decision_ttft_s"] / (sum(r.ttft_s for r in base_decision) / len(base_decision))
+        row["per_agent_ttft_s"] = {agent: _mean([r.ttft_s for r in calls[name] if r.agent == agent])
+                                   for agent in _AGENT_ORDER}
+        row["anchor_bytes"] = runtime.summary()["anchor_bytes"]
+        row["faults"] = runtime.summary()["faults"]
+        row["refusal"] = runtime.refusal
+        rows.append(row)
+    return {
+        "model": model, "problems": problems, "seed": seed, "expert_tokens": expert_tokens,
+        "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": setup_s,
+        "total_s": time.perf_counter() - started, "strategies": rows,
+        "examples": [{"question": p.text, "answer": p.answer, **{s: finals[s][i] for s in strategies}}
+                     for i, p in enumerate(batch[:3])],
+    }
+
+
+_AGENT_ORDER = {name: i for i, name in enumerate([*EXPERTS, DECISION])}
+
+
+def stated_answer(text: str) -> int | None:
+    """The number after "the answer is", else the first number in the text."""
+    match = re.search(r"answer is\s*\$?(-?\d[\d,]*)", text, re.I)
+    return int(match.group(1).replace(",", "")) if match else first_number(text)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="GSM8K swarm", unit="run", disable=not enabled)
+
+
+def plot(report: dict[str, Any]):
+    """Per-agent mean TTFT for each strategy, and the reuse ratio."""
+    def draw(plt: Any) -> Any:
+        rows = report["strategies"]
+        agents = report["agents"]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+        width = 0.8 / len(rows)
+        for i, row in enumerate(rows):
+            xs = [a + i * width for a in range(len(agents))]
+            left.bar(xs, [row["per_agent_ttft_s"][a] or 0 for a in agents], width, label=row["strategy"])
+        left.set_xticks([a + 0.4 - width / 2 for a in range(len(agents))], agents)
+        left.set_ylabel("mean TTFT (s)")
+        left.set_title(f"GSM8K swarm on {report['model']}, {report['problems']} problems")
+        left.legend()
+        right.bar([r["strategy"] for r in rows], [r["reuse_ratio"] for r in rows], color="tab:green")
+        right.set_ylim(0, 1)
+        right.set_title("reuse ratio")
+        fig.tight_layout()
+        return fig
+    return draw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m samples.gsm8k_swarm", description=__doc__)
+    parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    parser.add_argument("--problems", type=int, default=6)
+    parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-tokens", type=int, default=48)
+    parser.add_argument("--decision-tokens", type=int, default=12)
+    parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
+    args = parser.parse_args(argv)
+    report = run_batch(args.model, args.problems, tuple(s for s in args.strategies.split(",") if s),
+                       seed=args.seed, expert_tokens=args.expert_tokens, decision_tokens=args.decision_tokens)
+    print_report(report)
+    for path in write_report(report, Path(args.results), "gsm8k_swarm", plot(report)):
+        print(f"wrote {path}")
+    return 0
+
+
+def print_report(report: dict[str, Any]) -> None:
+    example = report["examples"][0]
+    print(f"\nQuestion: {example['question']}\nExpected: {example['answer']}")
+    for row in report["strategies"]:
+        print(f"  {row['strategy']:>11}: {example[row['strategy']].strip()[:100]!r}")
+    print(f"\nGSM8K swarm: {report['problems']} problems, 3 experts fan out, 1 decision agent fans in, "
+          f"on {report['model']} ({report['total_s']:.0f} s)\n")
+    print(format_table(report["strategies"], COLUMNS))
