@@ -111,6 +111,35 @@ def test_injecting_own_exact_kv_equals_dense(engine):
     assert all(o.kv.exact for o in injected.segments)
 
 
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_glue_between_injected_segments_equals_dense(engine, chunk):
+    """[sys][A inject][glue][B inject][glue][C inject][ask]: the glue and the ask are computed in one
+    scattered pass over the placed KV (in chunks of 3 too); with exact KV that equals dense prefill,
+    also past tiny-gemma3's sliding window of 8."""
+    from agentcache.engine import EngineConfig
+
+    engine = engine.with_config(EngineConfig(pool_blocks=64, prefill_chunk=chunk))
+    parts = [engine.tokenize("System: you are the judge. ", bos=True)]
+    for i in range(3):
+        parts.append(engine.tokenize(f" Note {i}: " + text_of_length(engine, 10, seed=i)))
+        parts.append(engine.tokenize(f" then{i}"))
+    names = ["sys"] + [n for i in range(3) for n in (f"note{i}", f"glue{i}")]
+    dense = engine.execute(ExecRequest([SegmentPlan(n, t, Step.DENSE) for n, t in zip(names, parts)], GREEDY))
+    plan = [SegmentPlan("sys", parts[0], Step.PREFIX)]
+    for index in range(1, len(parts)):
+        kv = dense.segments[index].kv if names[index].startswith("note") else None
+        plan.append(SegmentPlan(names[index], parts[index], Step.INJECT if kv else Step.DENSE, kv))
+    injected = engine.execute(ExecRequest(plan, GREEDY))
+    assert [o.injected_tokens for o in injected.segments] == [0, len(parts[1]), 0, len(parts[3]), 0, len(parts[5]), 0]
+    assert close(dense.last_logits, injected.last_logits)
+    assert dense.token_ids == injected.token_ids
+    for a, b in zip(dense.segments, injected.segments):  # the glue's KV too, computed in the scattered pass
+        assert close(a.kv.keys, b.kv.keys) and close(a.kv.values, b.kv.values)
+    assert all(o.kv.exact for o in injected.segments)
+    again = engine.execute(ExecRequest(plan, GREEDY))  # cached blocks from the scattered call serve a rerun
+    assert again.cached_tokens > 0 and again.token_ids == dense.token_ids
+
+
 def _foreign_query_kv(engine, query_ids):
     """The query's KV computed under another agent's prefix (approximate for ours)."""
     other = engine.tokenize("System: you are the critic, terse. ", bos=True)

@@ -285,39 +285,87 @@ class EmbeddedEngine:
         digests: dict[int, bytes],
     ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]], int | None]:
         """Fill the call cache past the prefix hit. Returns the last position's logits, per-segment
-        (start, cached, computed, injected) counts, and the first approximate token position."""
+        (start, cached, computed, injected) counts, and the first approximate token position.
+
+        The dense tokens before the first injected segment are prefilled as usual. All injected KV
+        is then placed at its positions, and every dense token after it (the glue between injected
+        segments, the tail) is computed in one scattered pass: each token attends to everything at
+        lower positions, injected or dense. On a CPU a forward pass costs about as much for 5
+        tokens as for 100 (reading the weights dominates), so one pass instead of one per glue
+        segment is what lets reuse pay off for short shared segments."""
         spans = []
-        pending_from: int | None = None  # start of a dense run not yet prefilled
-        logits = None
+        dense: list[int] = []  # positions to compute, ascending
+        placed: list[tuple[int, SegmentKV]] = []  # injected KV, re-aligned to its position
         first_approx = None
         pos = 0
         last = len(segments) - 1
         for index, seg in enumerate(segments):
             n = len(seg.token_ids)
-            cached = min(max(hit - pos, 0), n)
             if seg.step is Step.INJECT:
-                if pending_from is not None:
-                    logits = self._prefill(cache, prompt[pending_from:pos], pending_from)
-                    pending_from = None
-                # The final prompt token must run through the model for its logits.
-                inject = n - 1 if index == last else n
+                inject = n - 1 if index == last else n  # the final prompt token must run for its logits
                 if inject:
                     exact_here = seg.kv.start == pos and seg.kv.exact_for == digests[pos + n]
-                    kv = self.realign(seg.kv.slice(0, inject), pos)
-                    cache.append(kv.keys, kv.values)
+                    placed.append((pos, self.realign(seg.kv.slice(0, inject), pos)))
                     if not exact_here and first_approx is None:
                         first_approx = pos
-                if inject < n:
-                    pending_from = pos + inject
+                dense.extend(range(pos + inject, pos + n))
                 spans.append((pos, 0, n - inject, inject))
             else:
-                if cached < n and pending_from is None:
-                    pending_from = pos + cached
+                cached = min(max(hit - pos, 0), n)
+                dense.extend(range(pos + cached, pos + n))
                 spans.append((pos, cached, n - cached, 0))
             pos += n
-        if pending_from is not None:
-            logits = self._prefill(cache, prompt[pending_from:], pending_from)
+        split = placed[0][0] if placed else pos
+        head = [p for p in dense if p < split]  # contiguous, from the end of the prefix hit
+        tail = [p for p in dense if p >= split]
+        logits = self._prefill(cache, prompt[head[0] : head[-1] + 1], head[0]) if head else None
+        if placed:
+            cache.clear(split, pos)
+            for start, kv in placed:
+                cache.place(start, kv.keys, kv.values)
+            logits = self._prefill_scattered(cache, prompt, tail, pos)
+            cache.commit(pos)
         return logits, spans, first_approx
+
+    def _prefill_scattered(self, cache: CallCache, prompt: list[int], positions: list[int], end: int) -> torch.Tensor:
+        """Compute the tokens at `positions` (ascending, the last one end - 1) over a cache that holds
+        everything else below `end`, in chunks like `_prefill`. Returns the last position's logits."""
+        logits = None
+        chunk = self.config.prefill_chunk
+        for offset in range(0, len(positions), chunk):
+            part = positions[offset : offset + chunk]
+            logits = self._forward_scattered(cache, [prompt[p] for p in part], part, end)
+        return logits
+
+    def _forward_scattered(self, cache: CallCache, token_ids: list[int], positions: list[int], end: int) -> torch.Tensor:
+        device = cache.key_buffer.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, T)
+        where = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
+        with cache.scattered(where, end):
+            out = self.model(input_ids=ids, position_ids=where[None], cache_position=where,
+                             attention_mask=self._scatter_mask(where, end), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def _scatter_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive masks (1, 1, T, end): a token sees every key at or below its position (in a
+        sliding-window layer, only within the window); one per layer type for models that mix them."""
+        keys = torch.arange(end, device=positions.device)[None, :]  # (1, end)
+        queries = positions[:, None]  # (T, 1)
+        zero = torch.zeros((), dtype=self.layout.dtype, device=positions.device)
+        blocked = torch.tensor(torch.finfo(self.layout.dtype).min, dtype=self.layout.dtype, device=positions.device)
+        causal = keys <= queries  # (T, end)
+        config = self.loaded.config
+        layer_types = getattr(config, "layer_types", None)
+        if not layer_types:
+            return torch.where(causal, zero, blocked)[None, None]
+        masks = {}
+        for kind in set(layer_types):
+            allowed = causal
+            if kind == "sliding_attention" and getattr(config, "sliding_window", None):
+                allowed = causal & (keys > queries - config.sliding_window)  # HF's window: q - k < window
+            masks[kind] = torch.where(allowed, zero, blocked)[None, None]
+        return masks
 
     def _forward(self, cache: CallCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
         """One forward pass of tokens placed at start..; returns the last position's logits (V,)."""

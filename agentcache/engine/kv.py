@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -125,7 +126,14 @@ class _BufferLayer(DynamicLayer):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states: (1, H, q, D) for the tokens being prefilled at positions length..length+q-1
+        # key_states: (1, H, q, D) for the tokens being prefilled at positions length..length+q-1,
+        # or, in a scattered pass, at the positions the owner names
+        scatter = self._owner.scatter_positions
+        if scatter is not None:
+            positions, end = scatter
+            self._key_buffer[:, :, positions] = key_states
+            self._value_buffer[:, :, positions] = value_states
+            return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         start = self._owner.length
         end = start + key_states.shape[-2]
         if end > self._key_buffer.shape[2]:
@@ -151,6 +159,7 @@ class CallCache(Cache):
         self.value_buffer = torch.empty(shape, dtype=layout.dtype, device=device)
         self.length = 0
         self.capacity = capacity
+        self.scatter_positions: tuple[torch.Tensor, int] | None = None  # set during a scattered pass
         layers = [_BufferLayer(self.key_buffer[i], self.value_buffer[i], self) for i in range(layout.num_layers)]
         super().__init__(layers=layers)
 
@@ -168,6 +177,36 @@ class CallCache(Cache):
         self.key_buffer[:, 0, :, self.length : self.length + n] = keys
         self.value_buffer[:, 0, :, self.length : self.length + n] = values
         self.advance(n)
+
+    def place(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write KV (L, H, T, D) for positions start..start+T-1 past the committed length, ahead of
+        the tokens between: a scattered pass (`scattered`) computes those, then `commit` them all."""
+        n = keys.shape[2]
+        if start < self.length or start + n > self.capacity:
+            raise KVShapeError(f"cannot place {n} tokens at {start}: committed {self.length}, capacity {self.capacity}")
+        self.key_buffer[:, 0, :, start : start + n] = keys
+        self.value_buffer[:, 0, :, start : start + n] = values
+
+    def clear(self, begin: int, end: int) -> None:
+        """Zero positions [begin, end): a masked-out slot must not hold NaN (0 * NaN poisons attention)."""
+        self.key_buffer[:, :, :, begin:end] = 0
+        self.value_buffer[:, :, :, begin:end] = 0
+
+    @contextmanager
+    def scattered(self, positions: torch.Tensor, end: int) -> Iterator[None]:
+        """During the forward passes inside, the model writes its tokens' KV at `positions` (any
+        order-preserving subset of [length, end)) and attends over the buffer up to `end`."""
+        self.scatter_positions = (positions, end)
+        try:
+            yield
+        finally:
+            self.scatter_positions = None
+
+    def commit(self, end: int) -> None:
+        """Every position below `end` now holds its KV (placed or computed)."""
+        self.length = end
+        for layer in self.layers:
+            layer._sync()
 
     def view(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [begin, end), each (L, H, T, D); views, not copies."""
