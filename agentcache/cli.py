@@ -11,10 +11,17 @@ __all__ = ["main"]
 
 
 def _samples() -> None:
-    """Make the repository's `samples` package importable (the demo is the GSM8K swarm sample)."""
+    """Make the repository's `samples` package importable (the demo is the GSM8K swarm sample), and
+    check that LangGraph is installed. Core never imports a framework; the samples do."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "samples" / "gsm8k_swarm").is_dir():
-        raise SystemExit(f"agentcache demo runs the samples of a source checkout; none found at {root / 'samples'}")
+        raise SystemExit(f"this command runs the samples of a source checkout; none found at {root / 'samples'} "
+                         "(git clone the repository and run scripts/demo.sh)")
+    try:
+        import langgraph  # noqa: F401
+    except ImportError:
+        raise SystemExit("this command runs the LangGraph sample: install the extra with "
+                         "pip install -e '.[langgraph]' (scripts/setup.sh does)") from None
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
@@ -42,7 +49,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for name in available():
             print(name)
         return 0
-    report = run_benchmarks(args.names, quick=args.quick)
+    try:
+        report = run_benchmarks(args.names, quick=args.quick)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(str(exc)) from None
     for name, entry in report.items():
         status = "error: " + entry["error"] if "error" in entry else "ok"
         print(f"{name:<16} {entry.get('elapsed_s', 0):7.1f} s  {status}")
@@ -89,15 +99,28 @@ def _cmd_trace_replay(args: argparse.Namespace) -> int:
     from agentcache.scout.trace_replay import replay
     from agentcache.scout.workloads import Trace
 
-    trace = Trace.load(args.trace)
+    from agentcache.errors import AgentCacheError
+
+    if args.block_size < 1 or args.capacity <= 0 or (args.capacity_blocks is not None and args.capacity_blocks < 1):
+        raise SystemExit("--block-size, --capacity and --capacity-blocks must be positive")
+    try:
+        trace = Trace.load(args.trace)
+    except (OSError, AgentCacheError) as exc:
+        raise SystemExit(f"cannot read trace {args.trace}: {exc}") from None
     largest = trace.max_request_blocks(args.block_size)
+    if largest == 0:
+        raise SystemExit(f"no request of {args.trace} fills one block of {args.block_size} tokens: "
+                         "nothing to cache; use a smaller --block-size")
     capacity = args.capacity_blocks or max(largest, round(args.capacity * largest))
     print(f"{args.trace}: {len(trace)} requests, {len(trace.agents)} agents; pool of {capacity} blocks of "
           f"{args.block_size} tokens ({capacity / largest:.2f}x the largest request)")
     rows = {}
     for policy in args.policies.split(","):
         warm = policy == "survival_prefetch"
-        result = replay(trace, policy, capacity, block_size=args.block_size, warmup=warm)
+        try:
+            result = replay(trace, policy, capacity, block_size=args.block_size, warmup=warm)
+        except (AgentCacheError, ValueError) as exc:  # a capacity below one call, an unknown policy
+            raise SystemExit(f"cannot replay under {policy!r}: {exc}") from None
         rows[policy] = {"hit_rate": result.hit_rate, "evictions": result.evictions, "warmups": result.warmups}
         print(f"  {policy:<18} hit rate {result.hit_rate:.3f}   evictions {result.evictions:>6}"
               + (f"   warm-ups {result.warmups}" if warm else ""))

@@ -8,6 +8,7 @@ from typing import Any
 
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import ExecResult
+from agentcache.segments import DispatchEvent
 
 __all__ = ["SegmentReport", "CallResult", "summarize", "percentile"]
 
@@ -47,10 +48,12 @@ class CallResult:
     engine_result: ExecResult | None = field(default=None, repr=False, compare=False)
     segment_kv: list[SegmentKV | None] = field(default_factory=list, repr=False, compare=False)
     prompt_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    event: DispatchEvent | None = None  # the adapter's dispatch event for this call
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_EXPORTED} | {
-            "segments": [asdict(s) for s in self.segments]
+            "segments": [asdict(s) for s in self.segments],
+            "event": self.event.model_dump() if self.event is not None else None,
         }
 
 

@@ -100,6 +100,9 @@ class Runtime:
         self.results: list[CallResult] = []
         self.events: list[DispatchEvent] = []  # the adapters' dispatch events, in call order
         self._shared_texts: OrderedDict[str | None, dict[str, str]] = OrderedDict()  # session -> text -> slot
+        self._texts_lock = threading.Lock()  # not the runtime's lock: adapters read texts while a call runs
+        self._waiting = 0  # calls that entered `run` and wait for the lock: a warm-up must not delay them
+        self._waiting_lock = threading.Lock()
         self._last_output: dict[str, str] = {}
         self._id = uuid.uuid4().hex[:12]
         self._lock = threading.RLock()
@@ -166,14 +169,20 @@ class Runtime:
                                 f"match the call of agent {call.agent!r} (session {call.session!r})")
         sampling = sampling or SamplingParams()
         started = time.perf_counter()  # TTFT includes waiting for a call or warm-up holding the runtime
+        self._count_waiting(+1)
         with self._lock, torch.inference_mode():
+            self._count_waiting(-1)
             queued = time.perf_counter() - started  # waiting for other calls or a warm-up
-            result = self._run(call, sampling, started, queued, on_token)
-            if event is not None:  # events and results stay aligned: a failed call records neither
+            result = self._run(call, sampling, started, queued, on_token, event)
+            if event is not None:  # a failed call records no event
                 self.events.append(event)
             if self.warmup_coordinator is not None:
                 self._plan_warmup(call.session)
         return result
+
+    def _count_waiting(self, change: int) -> None:
+        with self._waiting_lock:
+            self._waiting += change
 
     async def arun(
         self,
@@ -196,6 +205,9 @@ class Runtime:
         if self._warmup_thread is not None and self._warmup_thread.is_alive():
             self.warmup_coordinator.outcomes["busy"] += 1  # the previous warm-up has not run yet
             return
+        if self._waiting:  # dispatched calls are queued: they come first, and may well make it moot
+            self.warmup_coordinator.outcomes["calls_waiting"] += 1
+            return
         try:
             plan = self.warmup_coordinator.next_warmup(session, self._prefix_cached)
         except Exception as exc:
@@ -216,6 +228,9 @@ class Runtime:
                               SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False)
         try:
             with self._lock, torch.inference_mode():
+                if self._waiting:  # a call arrived since the plan: never delay it for a guess
+                    self.warmup_coordinator.outcomes["preempted"] += 1
+                    return
                 started = time.perf_counter()
                 self.engine.execute(request)
                 self.warmup_s += time.perf_counter() - started
@@ -248,19 +263,20 @@ class Runtime:
     def shared_texts(self, session: str | None = None) -> dict[str, str]:
         """The shared texts (PH contents and agents' outputs, stripped) seen in `session`, each
         with its slot: what an adapter can find quoted inside a monolithic prompt."""
-        with self._lock:
+        with self._texts_lock:
             return dict(self._shared_texts.get(session, {}))
 
     def _remember_texts(self, call: AgentCall, output: str) -> None:
-        texts = self._shared_texts.setdefault(call.session, {})
-        self._shared_texts.move_to_end(call.session)
-        for seg in call.segments:
-            if seg.kind == "ph" and seg.text and seg.text.strip():
-                texts.setdefault(seg.text.strip(), seg.slot)
-        if output.strip():
-            texts[output.strip()] = output_slot(call.agent)
-        while len(self._shared_texts) > _SESSIONS_REMEMBERED:
-            self._shared_texts.popitem(last=False)
+        with self._texts_lock:
+            texts = self._shared_texts.setdefault(call.session, {})
+            self._shared_texts.move_to_end(call.session)
+            for seg in call.segments:
+                if seg.kind == "ph" and seg.text and seg.text.strip():
+                    texts.setdefault(seg.text.strip(), seg.slot)
+            if output.strip():
+                texts[output.strip()] = output_slot(call.agent)
+            while len(self._shared_texts) > _SESSIONS_REMEMBERED:
+                self._shared_texts.popitem(last=False)
 
     def _lineage(self, call: AgentCall) -> str:
         """Salt for the approximate KV a call caches: only this agent's later calls in the same
@@ -288,7 +304,7 @@ class Runtime:
 
     def _run(
         self, call: AgentCall, sampling: SamplingParams, started: float, queued: float,
-        on_token: Callable[[int], None] | None,
+        on_token: Callable[[int], None] | None, event: DispatchEvent | None,
     ) -> CallResult:
         agent = call.agent
         lineage = self._lineage(call)
@@ -350,7 +366,7 @@ class Runtime:
         self._remember_texts(call, result.text)
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
-            ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, prompt_tokens=result.prompt_tokens,
+            ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, event=event, prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
@@ -417,6 +433,10 @@ class Runtime:
     # --- figures -------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
+        with self._lock:
+            return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
         figures = summarize(self.results)
         bank, store = self.corrector.bank, self.corrector.store
         figures.update(
@@ -442,8 +462,8 @@ class Runtime:
     def export_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"summary": self.summary(), "calls": [r.to_dict() for r in self.results],
-                   "events": [e.model_dump() for e in self.events]}
+        with self._lock:
+            payload = {"summary": self._summary(), "calls": [r.to_dict() for r in self.results]}
         path.write_text(json.dumps(payload, indent=2))
         return path
 

@@ -1,16 +1,30 @@
-"""Turning generated token ids into text chunks as they come, for adapters that stream.
+"""Streaming a runtime call: text chunks as the engine generates them, then the call's result.
 
 The engine reports each token; `TextStream.push` returns the text that is now final. It holds
-back what may still change: a character split across tokens (decoded as U+FFFD until whole)
-and a tail that could be the start of a stop string, so a streamed chunk never shows text the
-final result cuts off.
+back what may still change: a character split across tokens (decoded as U+FFFD until whole),
+a tail that could be the start of a stop string, and anything when decoding rewrote earlier
+text, so a streamed chunk never shows text the final result does not have.
+
+`stream_call` (a generator) and `astream_call` (an async generator, never blocking the event
+loop) run a call on a worker thread and bridge its tokens to the consumer; both adapters use them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import asyncio
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
-__all__ = ["TextStream"]
+if TYPE_CHECKING:
+    from agentcache.metrics import CallResult
+    from agentcache.runtime import Runtime
+    from agentcache.segments import AgentCall, DispatchEvent
+    from agentcache.engine.protocol import SamplingParams
+
+__all__ = ["TextStream", "stream_call", "astream_call"]
+
+_DONE = object()
 
 
 class TextStream:
@@ -50,8 +64,79 @@ class TextStream:
         return rest
 
     def _take(self, text: str) -> str:
-        if len(text) <= len(self.sent):
-            return ""
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""  # nothing new, or decoding changed what was sent: wait for the final text
         chunk = text[len(self.sent) :]
         self.sent = text
         return chunk
+
+
+def stream_call(
+    runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None
+) -> Iterator["str | CallResult"]:
+    """Text chunks of `call` as they are generated, then its `CallResult`. The call runs on a worker
+    thread; if the consumer stops early it still finishes there (it holds the runtime meanwhile)."""
+    text = TextStream(runtime.engine.detokenize, sampling.stop)
+    chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    outcome: dict[str, Any] = {}
+
+    def on_token(token_id: int) -> None:
+        piece = text.push(token_id)
+        if piece:
+            chunks.put(piece)
+
+    def work() -> None:
+        try:
+            outcome["result"] = runtime.run(call, sampling, event=event, on_token=on_token)
+        except BaseException as exc:  # raised in the consumer below
+            outcome["error"] = exc
+        finally:
+            chunks.put(_DONE)
+
+    threading.Thread(target=work, name="agentcache-stream", daemon=True).start()
+    while (piece := chunks.get()) is not _DONE:
+        yield piece
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    rest = text.finish(result.text)
+    if rest:
+        yield rest
+    yield result
+
+
+async def astream_call(
+    runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None
+) -> AsyncIterator["str | CallResult"]:
+    """`stream_call` for an event loop: the worker thread posts chunks to the loop, which keeps running."""
+    text = TextStream(runtime.engine.detokenize, sampling.stop)
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[Any] = asyncio.Queue()
+
+    def on_token(token_id: int) -> None:  # on the runtime's worker thread
+        piece = text.push(token_id)
+        if piece:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, piece)
+            except RuntimeError:  # the loop closed under an abandoned stream: nobody is listening
+                pass
+
+    async def produce() -> "CallResult":
+        try:
+            return await runtime.arun(call, sampling, event=event, on_token=on_token)
+        finally:
+            # The worker's posts reach the loop in order, before the call's completion resumes us.
+            chunks.put_nowait(_DONE)
+
+    task = asyncio.ensure_future(produce())
+    try:
+        while (piece := await chunks.get()) is not _DONE:
+            yield piece
+        result = await task
+    finally:
+        if not task.done():  # abandoned: let the call finish, and never report its error unread
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    rest = text.finish(result.text)
+    if rest:
+        yield rest
+    yield result

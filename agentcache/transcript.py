@@ -92,7 +92,12 @@ def build_call(
 
 def split_known(text: str, known: Mapping[str, str]) -> list[Segment]:
     """`text` cut at the known shared texts it quotes: PF around, PH (with the known slot) for each
-    quote. A text quoting none is one PF segment; a text that is itself known, one PH segment."""
+    quote. A text quoting none is one PF segment; a text that is itself known, one PH segment.
+
+    The text stays exactly the same; its tokens may not. Segments are tokenized apart, so where a
+    quote follows a space ("user: A family") the space becomes a token of its own instead of
+    joining the quote's first word: the price of the quote having the same tokens as everywhere
+    else, which is what lets its KV be reused."""
     if text.strip() in known:
         return [Segment.ph(known[text.strip()], text)]
     quotes: list[tuple[int, int, str]] = []  # (start, end, slot), non-overlapping, longest first

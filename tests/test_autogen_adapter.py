@@ -34,6 +34,7 @@ from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall
 from agentcache_autogen import (
     SELECTOR,
+    Caller,
     AgentCacheChatCompletionClient,
     UnsupportedMessageError,
     UnsupportedRequestError,
@@ -211,12 +212,33 @@ def test_caller_inside_a_handler():
     """Inside an AutoGen message handler the agent id names the caller and its team (session)."""
     client = AgentCacheChatCompletionClient(runtime())
     with MessageHandlerContext.populate_context(AgentId("planner_team-1", "team-1")):
-        assert client.caller() == ("planner", "team-1", "planner_team-1/team-1")
+        assert client.caller() == Caller("planner", "team-1", "planner_team-1/team-1", False)
         # a per-agent client keeps its name, and the team's id is still the session
-        assert client.for_agent("local").caller() == ("local", "team-1", "planner_team-1/team-1")
-        assert client.for_agent("local", session="s").caller()[:2] == ("local", "s")
+        assert client.for_agent("local").caller() == Caller("local", "team-1", "planner_team-1/team-1", False)
+        assert client.for_agent("local", session="s").caller().session == "s"
     with MessageHandlerContext.populate_context(AgentId("SelectorGroupChatManager_team-1", "team-1")):
-        assert client.caller()[:2] == (SELECTOR, "team-1")
+        assert client.caller() == Caller(SELECTOR, "team-1", "SelectorGroupChatManager_team-1/team-1", True)
+        # The manager is recognised by its AutoGen type, whatever the client calls it.
+        assert client.for_agent("router").caller().manager
+
+
+def test_selector_prompt_is_split_whatever_the_client_names_it():
+    """A selector whose client has a fixed agent name still gets its wording as PF and the quoted
+    conversation as PH; a participant named like the selector does not."""
+    rt = runtime("kvcmas")
+    planner = AgentCacheChatCompletionClient(rt, agent="planner", session="team-1")
+    asyncio.run(planner.create([SystemMessage(content=SYSTEM["planner"]), UserMessage(content=TASK, source="user")]))
+    prompt = f"Roles: planner, local.\n\nuser: {TASK}\n\nWho speaks next?"
+    router = AgentCacheChatCompletionClient(rt, agent="router")
+    with MessageHandlerContext.populate_context(AgentId("SelectorGroupChatManager_team-1", "team-1")):
+        call = router.to_call([UserMessage(content=prompt, source="user")])
+    assert call.agent == "router"
+    assert [(s.kind, s.slot) for s in call.segments] == [("pf", None), ("ph", "query"), ("pf", None)]
+    assert call.segments[1].text == TASK
+    participant = AgentCacheChatCompletionClient(rt, agent=SELECTOR, session="team-1")
+    plain = participant.to_call([UserMessage(content=prompt, source="user")])
+    assert [(s.kind, s.slot) for s in plain.segments] == [("pf", None), ("ph", "query"), ("pf", None)]
+    assert plain.segments[1].text == prompt  # not a manager: the whole message is the user's
 
 
 def test_team_with_one_client_per_agent_streaming():
@@ -281,7 +303,7 @@ def test_message_mapping():
         FunctionExecutionResultMessage(content=[
             FunctionExecutionResult(content="sunny, 24C", name="weather", call_id="1")]),
     ]
-    call = client.to_call(messages, tools=[WEATHER], agent="local", session="s1")
+    call = client.to_call(messages, tools=[WEATHER], caller=Caller("local", "s1", None, False))
     assert (call.agent, call.session) == ("local", "s1")
     layout = [(s.kind, s.slot, s.text) for s in call.segments]
     head = layout[0][2]
@@ -303,10 +325,10 @@ def test_message_mapping():
         return "rain"
 
     tool = FunctionTool(forecast, description="Tomorrow's forecast for a city.")
-    with_tool = client.to_call(messages[:2], tools=[tool], agent="local")
+    with_tool = client.to_call(messages[:2], tools=[tool], caller=Caller("local", None, None, False))
     assert '"name": "forecast"' in with_tool.segments[0].text
     assert "Tomorrow's forecast for a city." in with_tool.segments[0].text
-    bare = client.to_call(messages[1:2], agent="local")  # no system message: the header comes first
+    bare = client.to_call(messages[1:2], caller=Caller("local", None, None, False))  # no system message: the header comes first
     assert [(s.kind, s.text) for s in bare.segments] == [("pf", "\n\n### user\n"), ("ph", TASK),
                                                           ("pf", "\n\n### local\n")]
 
@@ -428,3 +450,38 @@ def test_concurrent_creates_and_teams_on_one_runtime():
     for team, run, task in zip(teams, runs, tasks):
         check_team_run(rt, seen, team, run.messages, task)
     assert len(rt.results) == len(rt.events) == 2 + 2 * MESSAGES
+
+
+def test_a_callers_stop_strings_join_the_transcript_stop():
+    client = AgentCacheChatCompletionClient(runtime(), agent="planner")
+    _, sampling, _ = client._request([UserMessage(content=TASK, source="user")], [], "auto", None, {"stop": "END"})
+    assert sampling.stop == ("\n###", "END")  # without "\n###" the model would write other agents' turns
+
+
+def test_building_a_selector_call_never_waits_for_a_running_call():
+    """The selector's prompt reads the runtime's shared texts on the event loop: that must not wait
+    for the runtime's lock, which a running call holds for its whole length."""
+    import threading
+    import time
+
+    from agentcache import SamplingParams, Segment
+
+    rt = runtime()
+    started = threading.Event()
+
+    def crawl(_token: int) -> None:
+        started.set()
+        time.sleep(0.1)
+
+    call = AgentCall(agent="planner", session="team-1", segments=(Segment.pf("You plan."), Segment.ph("query", TASK)))
+    worker = threading.Thread(target=rt.run, args=(call, SamplingParams(max_tokens=4, ignore_eos=True)),
+                              kwargs={"on_token": crawl})
+    worker.start()
+    started.wait(5)
+    client = AgentCacheChatCompletionClient(rt)
+    with MessageHandlerContext.populate_context(AgentId("SelectorGroupChatManager_team-1", "team-1")):
+        begin = time.perf_counter()
+        client.to_call([UserMessage(content=f"Who next?\n\nuser: {TASK}", source="user")])
+        took = time.perf_counter() - begin
+    assert worker.is_alive() and took < 0.1  # the call still runs (0.4 s of tokens); building did not wait
+    worker.join()

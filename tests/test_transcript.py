@@ -116,3 +116,29 @@ def test_arun_runs_concurrent_calls_one_at_a_time_and_streams_tokens():
     for result in results:
         assert seen[result.agent] == result.token_ids  # every generated token was reported, in order
     assert len(rt.results) == 3
+
+
+def test_calls_waiting_for_the_runtime_hold_back_warmups():
+    """A warm-up is a guess; a dispatched call waiting for the runtime is certain: it goes first."""
+    import threading
+    import time
+
+    from agentcache import RuntimeConfig
+
+    engine = make_engine("tiny-llama", pool_blocks=128, eviction="survival")
+    rt = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=True))
+    slow = threading.Event()
+
+    def crawl(_token: int) -> None:
+        slow.set()
+        time.sleep(0.05)
+
+    first = threading.Thread(target=rt.run, args=(_call("planner"), SamplingParams(max_tokens=6, ignore_eos=True)),
+                             kwargs={"on_token": crawl})
+    first.start()
+    slow.wait(5)
+    rt.run(_call("local"), SamplingParams(max_tokens=2))  # waits for the first call, then plans
+    first.join()
+    rt.wait_warmup()
+    assert rt.summary()["warmups"]["calls_waiting"] >= 1  # planned while the second call was queued
+    assert [r.agent for r in rt.results] == ["planner", "local"] and rt.results[1].queued_s > 0.05

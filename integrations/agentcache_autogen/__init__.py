@@ -3,8 +3,10 @@
 from agentcache_autogen.client import (
     SELECTOR,
     AgentCacheChatCompletionClient,
+    Caller,
     UnsupportedMessageError,
     UnsupportedRequestError,
 )
 
-__all__ = ["AgentCacheChatCompletionClient", "SELECTOR", "UnsupportedMessageError", "UnsupportedRequestError"]
+__all__ = ["AgentCacheChatCompletionClient", "Caller", "SELECTOR", "UnsupportedMessageError",
+           "UnsupportedRequestError"]

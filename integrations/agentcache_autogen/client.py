@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Literal, Mapping, Sequence
 
 from autogen_core import CancellationToken, FunctionCall, Image, MessageHandlerContext
@@ -42,14 +43,22 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
-from agentcache.streaming import TextStream
+from agentcache.streaming import astream_call
 from agentcache.transcript import TRANSCRIPT_STOP, ChatTurn, UnsupportedMessageError, build_call
 
-__all__ = ["AgentCacheChatCompletionClient", "UnsupportedMessageError", "UnsupportedRequestError"]
+__all__ = ["AgentCacheChatCompletionClient", "Caller", "UnsupportedMessageError", "UnsupportedRequestError"]
 
 SELECTOR = "selector"
 _MANAGER_SUFFIX = "GroupChatManager"  # AutoGen names a team's manager type "<Kind>GroupChatManager_<team id>"
 _CREATE_ARGS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+
+
+@dataclass(frozen=True)
+class Caller:
+    agent: str
+    session: str | None
+    id: str | None  # the AutoGen agent id, inside a handler
+    manager: bool  # a team's group chat manager (its selector): the prompt quotes the conversation
 
 
 class UnsupportedRequestError(ValueError):
@@ -88,32 +97,35 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
 
     # --- who calls -------------------------------------------------------------------------
 
-    def caller(self) -> tuple[str, str | None, str | None]:
-        """(agent, session, AutoGen agent id) of the current call."""
+    def caller(self) -> Caller:
+        """Who makes the current call: the client's agent, else the AutoGen agent whose handler runs."""
         try:
             agent_id = MessageHandlerContext.agent_id()
         except RuntimeError:
             agent_id = None
-        if self.agent is not None:  # inside a team the team's id is still the session
-            return self.agent, self.session or (agent_id.key if agent_id else None), str(agent_id) if agent_id else None
-        if agent_id is None:
+        manager, name = False, None
+        if agent_id is not None:
+            kind, key = agent_id.type, agent_id.key
+            name = kind[: -len(key) - 1] if kind.endswith(f"_{key}") else kind  # a team's types end with its id
+            manager = name.endswith(_MANAGER_SUFFIX)
+            if manager:
+                name = SELECTOR
+        agent = self.agent or name
+        if agent is None:
             raise ValueError("cannot tell which agent is calling: outside an AutoGen message handler, give the "
                              "client an agent name (AgentCacheChatCompletionClient(runtime, agent='planner'))")
-        kind, key = agent_id.type, agent_id.key
-        name = kind[: -len(key) - 1] if kind.endswith(f"_{key}") else kind  # a team's types end with its id
-        if name.endswith(_MANAGER_SUFFIX):
-            name = SELECTOR
-        return name, self.session or key, str(agent_id)
+        session = self.session or (agent_id.key if agent_id is not None else None)  # in a team: the team's id
+        return Caller(agent, session, str(agent_id) if agent_id is not None else None, manager)
 
     # --- messages to segments --------------------------------------------------------------
 
     def to_call(
         self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema] = (), *,
-        agent: str | None = None, session: str | None = None,
+        caller: Caller | None = None,
     ) -> AgentCall:
-        """The agentcache call these messages make (agent and session default to the caller's)."""
-        if agent is None:
-            agent, session, _ = self.caller()
+        """The agentcache call these messages make, as `caller` (by default the current caller)."""
+        caller = caller or self.caller()
+        agent = caller.agent
         system, turns = [], []
         for index, message in enumerate(messages):
             if isinstance(message, SystemMessage):
@@ -130,9 +142,10 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
                 raise UnsupportedMessageError(
                     f"message {index} is a {type(message).__name__}; the agentcache client maps SystemMessage, "
                     "UserMessage, AssistantMessage and FunctionExecutionResultMessage")
-        known = self.runtime.shared_texts(session) if agent == SELECTOR else None
+        # A team manager's prompt is its own wording around quoted messages: split out what is shared.
+        known = self.runtime.shared_texts(caller.session) if caller.manager else None
         schemas = [tool.schema if isinstance(tool, Tool) else tool for tool in tools]
-        return build_call(agent, system, turns, tools=schemas, session=session, known=known)
+        return build_call(agent, system, turns, tools=schemas, session=caller.session, known=known)
 
     def _request(
         self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
@@ -149,15 +162,17 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         unknown = set(extra_create_args) - _CREATE_ARGS
         if unknown:
             raise UnsupportedRequestError(f"unsupported create arguments {sorted(unknown)}; use {sorted(_CREATE_ARGS)}")
-        agent, session, caller = self.caller()
-        call = self.to_call(messages, tools, agent=agent, session=session)
+        caller = self.caller()
+        call = self.to_call(messages, tools, caller=caller)
         fields = {"max_tokens": self.sampling.max_tokens, "temperature": self.sampling.temperature,
-                  "top_p": self.sampling.top_p, "stop": self.sampling.stop, "seed": self.sampling.seed}
-        fields.update(extra_create_args)
-        if isinstance(fields["stop"], str):
-            fields["stop"] = (fields["stop"],)
+                  "top_p": self.sampling.top_p, "seed": self.sampling.seed}
+        fields.update({k: v for k, v in extra_create_args.items() if k != "stop"})
+        extra_stop = extra_create_args.get("stop") or ()
+        extra_stop = (extra_stop,) if isinstance(extra_stop, str) else tuple(extra_stop)
+        # The transcript's own stop always stays: without it the model would write other agents' turns.
+        fields["stop"] = tuple(dict.fromkeys((*self.sampling.stop, *extra_stop)))
         sampling = SamplingParams(**fields)
-        event = DispatchEvent(agent=agent, session=session, framework="autogen", caller=caller,
+        event = DispatchEvent(agent=caller.agent, session=caller.session, framework="autogen", caller=caller.id,
                               messages=len(messages))
         return call, sampling, event
 
@@ -204,32 +219,13 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         cancellation_token: CancellationToken | None = None,
         include_usage: bool | None = None,
     ) -> AsyncGenerator[str | CreateResult, None]:
-        """Text chunks as the engine generates them, then the `CreateResult`."""
+        """Text chunks as the engine generates them, then the `CreateResult`. A cancelled token stops
+        the stream (the engine finishes the call it started)."""
         call, sampling, event = self._request(messages, tools, tool_choice, json_output, extra_create_args)
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[str] = asyncio.Queue()
-        stream = TextStream(self.runtime.engine.detokenize, sampling.stop)
-
-        def on_token(token_id: int) -> None:  # on the runtime's worker thread
-            piece = stream.push(token_id)
-            if piece:
-                loop.call_soon_threadsafe(chunks.put_nowait, piece)
-
-        task = asyncio.ensure_future(self.runtime.arun(call, sampling, event=event, on_token=on_token))
-        if cancellation_token is not None:
-            cancellation_token.link_future(task)
-        while not task.done() or not chunks.empty():
-            getter = asyncio.ensure_future(chunks.get())
-            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-            else:
-                getter.cancel()
-        result = task.result()
-        rest = stream.finish(result.text)
-        if rest:
-            yield rest
-        yield self._result(result)
+        async for item in astream_call(self.runtime, call, sampling, event):
+            if cancellation_token is not None and cancellation_token.is_cancelled():
+                raise asyncio.CancelledError("create_stream was cancelled")
+            yield self._result(item) if isinstance(item, CallResult) else item
 
     async def close(self) -> None:
         """Waits for a pending warm-up; the runtime stays open (other clients may share it)."""
@@ -243,11 +239,11 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         return self._total
 
     def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
-        try:  # the caller's own cue and (for the selector) split, so the count matches its call
-            agent, session, _ = self.caller()
-        except ValueError:
-            agent, session = "counting", self.session
-        call = self.to_call(messages, tools, agent=agent, session=session)
+        try:
+            caller = self.caller()
+        except ValueError:  # counting outside a handler, for no agent in particular: the cue's name is a guess
+            caller = Caller("counting", self.session, None, False)
+        call = self.to_call(messages, tools, caller=caller)
         engine = self.runtime.engine
         tokens = sum(len(list(s.token_ids) if s.token_ids is not None else engine.tokenize(s.text))
                      for s in call.segments)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -20,7 +17,7 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
-from agentcache.streaming import TextStream
+from agentcache.streaming import astream_call, stream_call
 from agentcache.transcript import TRANSCRIPT_STOP
 
 from agentcache_langgraph.messages import AGENT_KEY, to_call
@@ -32,7 +29,6 @@ FRAMEWORK = "langgraph"
 _SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed")
 _TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format")
 _IGNORED_KWARGS = ("stream",)  # LangChain's own switch, already acted on when we are called
-_DONE = object()
 
 
 class UnsupportedFeatureError(NotImplementedError):
@@ -165,11 +161,10 @@ class AgentCacheChatModel(BaseChatModel):
     def _chunk(self, text: str, agent: str) -> ChatGenerationChunk:
         return ChatGenerationChunk(message=AIMessageChunk(content=text, name=agent))
 
-    def _last_chunk(self, stream: TextStream, result: CallResult, prepared: _Prepared) -> ChatGenerationChunk:
-        """The rest of the text (normally nothing) with the call's metadata; LangChain merges it in."""
+    def _last_chunk(self, result: CallResult, prepared: _Prepared) -> ChatGenerationChunk:
+        """The call's metadata, with no text of its own; LangChain merges it into the message."""
         fields = self._message_fields(result, prepared.call.session)
-        return ChatGenerationChunk(message=AIMessageChunk(content=stream.finish(result.text), chunk_position="last",
-                                                          **fields))
+        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
 
     def _generate(
         self,
@@ -202,35 +197,13 @@ class AgentCacheChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        """Token by token: the call runs on a worker thread and hands final text over a queue."""
+        """Token by token (the call runs on a worker thread; see `agentcache.streaming`)."""
         prepared = self._prepare(messages, stop, kwargs)
-        stream = TextStream(self.runtime.engine.detokenize, prepared.sampling.stop)
-        texts: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        outcome: dict[str, Any] = {}
-
-        def on_token(token_id: int) -> None:
-            text = stream.push(token_id)
-            if text:
-                texts.put(text)
-
-        def work() -> None:
-            try:
-                outcome["result"] = self.runtime.run(prepared.call, prepared.sampling, event=prepared.event,
-                                                     on_token=on_token)
-            except BaseException as exc:  # handed to the consumer below
-                outcome["error"] = exc
-            finally:
-                texts.put(_DONE)
-
-        # If the consumer stops early, the call still finishes on its thread (it holds the runtime).
-        worker = threading.Thread(target=work, name="agentcache-langgraph-stream", daemon=True)
-        worker.start()
-        while (text := texts.get()) is not _DONE:
-            yield self._chunk(text, prepared.call.agent)
-        worker.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        yield self._last_chunk(stream, outcome["result"], prepared)
+        for item in stream_call(self.runtime, prepared.call, prepared.sampling, prepared.event):
+            if isinstance(item, CallResult):
+                yield self._last_chunk(item, prepared)
+            else:
+                yield self._chunk(item, prepared.call.agent)
 
     async def _astream(
         self,
@@ -239,34 +212,10 @@ class AgentCacheChatModel(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        """Token by token without blocking the loop: the worker thread posts final text to an asyncio queue."""
+        """Token by token without blocking the event loop."""
         prepared = self._prepare(messages, stop, kwargs)
-        stream = TextStream(self.runtime.engine.detokenize, prepared.sampling.stop)
-        loop = asyncio.get_running_loop()
-        texts: asyncio.Queue[Any] = asyncio.Queue()
-
-        def on_token(token_id: int) -> None:  # on the runtime's worker thread
-            text = stream.push(token_id)
-            if text:
-                try:
-                    loop.call_soon_threadsafe(texts.put_nowait, text)
-                except RuntimeError:  # the loop closed under an abandoned stream: nobody is listening
-                    pass
-
-        async def produce() -> CallResult:
-            try:
-                return await self.runtime.arun(prepared.call, prepared.sampling, event=prepared.event,
-                                               on_token=on_token)
-            finally:
-                # Posted after every token: the thread's callbacks reach the loop in order, before this.
-                texts.put_nowait(_DONE)
-
-        task = asyncio.create_task(produce())
-        try:
-            while (text := await texts.get()) is not _DONE:
-                yield self._chunk(text, prepared.call.agent)
-            result = await task
-        finally:
-            if not task.done():  # abandoned: let the call finish and keep its error from being reported unread
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        yield self._last_chunk(stream, result, prepared)
+        async for item in astream_call(self.runtime, prepared.call, prepared.sampling, prepared.event):
+            if isinstance(item, CallResult):
+                yield self._last_chunk(item, prepared)
+            else:
+                yield self._chunk(item, prepared.call.agent)

@@ -52,7 +52,8 @@ def to_turns(messages: Sequence[BaseMessage], agent: str) -> tuple[list[str], li
         elif isinstance(message, HumanMessage):
             text = _text(message, index)
             # A named human message is another agent's output handed over as input.
-            turns.append(ChatTurn("agent", message.name, text) if message.name else ChatTurn("user", "user", text))
+            named = message.name and message.name != "user"
+            turns.append(ChatTurn("agent", message.name, text) if named else ChatTurn("user", "user", text))
         elif isinstance(message, AIMessage):
             if message.tool_calls or message.invalid_tool_calls:
                 raise UnsupportedMessageError(

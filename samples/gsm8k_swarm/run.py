@@ -167,3 +167,6 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\nGSM8K swarm: {report['problems']} problems, 3 experts fan out, 1 decision agent fans in, "
           f"on {report['model']} ({report['total_s']:.0f} s)\n")
     print(format_table(report["strategies"], COLUMNS))
+    for row in report["strategies"]:
+        if row["refusal"]:
+            print(f"note: {row['strategy']} ran as NonShared: {row['refusal']}")

@@ -24,6 +24,8 @@ from samples._compare import StrategyRuns, figures, format_table, write_report
 
 __all__ = ["AGENTS", "TRIPS", "build_team", "run_trips", "main"]
 
+BASELINE = "nonshared"
+
 # Gemma 3 270M is a base model: each system message ends with one example answer in the
 # transcript's layout, so the model sees the form of a reply.
 _EXAMPLE_TASK = "Two friends want a weekend in Porto in June. They like wine, old streets and the sea."
@@ -48,7 +50,7 @@ AGENTS = {
                 "Weekend in Porto: day 1 Ribeira, the bridge and a Douro boat trip; day 2 Lello, Gaia's "
                 "cellars and sunset at Foz. Say obrigado and bom dia."),
 }
-# A base model continues text: the prompt ends where the next speaker's name comes.
+# Worded for a base model: it tends to answer with the first role named ("Planner: ...").
 SELECTOR_PROMPT = "Team roles:\n{roles}\n\nConversation:\n{history}\n\nThe next speaker, one of {participants}, is"
 TRIPS = (
     "A family of four wants three days in Lisbon in May. They like museums, parks and seafood, dislike long "
@@ -90,6 +92,9 @@ def run_trips(
     """Each trip runs once per strategy (rotated); the last trip's hops are compared one by one."""
     from tqdm import tqdm
 
+    if BASELINE not in strategies:
+        strategies = (*strategies, BASELINE)
+    baseline = BASELINE
     started = time.perf_counter()
     runs = StrategyRuns(model, strategies)
     calls: dict[str, list[list[CallResult]]] = {s: [] for s in strategies}
@@ -108,7 +113,7 @@ def run_trips(
             bar.update(1)
     bar.close()
 
-    baseline, main_strategy = strategies[-1], strategies[0]
+    main_strategy = strategies[0]
     last = {name: calls[name][-1] for name in strategies}
     hops = []
     for i, (mine, theirs) in enumerate(zip(last[main_strategy], last[baseline])):
@@ -121,7 +126,7 @@ def run_trips(
     rows = []
     for name in strategies:
         paired = flat[baseline] if name != baseline and _same_agents(flat[name], flat[baseline]) else None
-        rows.append({"strategy": name, **figures(flat[name], paired)})
+        rows.append({"strategy": name, **figures(flat[name], paired), "refusal": runs.runtimes[name].refusal})
     return {
         "model": model, "trips": trips, "agent_tokens": agent_tokens, "total_s": time.perf_counter() - started,
         "same_hops": _same_agents(last[main_strategy], last[baseline]), "hops": hops, "strategies": rows,
@@ -151,6 +156,9 @@ def print_report(report: dict[str, Any]) -> None:
         print("(the two runs chose different speakers: hops are paired by position)")
     print(f"\nAll {report['trips']} trips ({report['total_s']:.0f} s):")
     print(format_table(report["strategies"], SUMMARY_COLUMNS))
+    for row in report["strategies"]:
+        if row["refusal"]:
+            print(f"note: {row['strategy']} ran as NonShared: {row['refusal']}")
 
 
 def main(argv: list[str] | None = None) -> int:
