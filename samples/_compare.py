@@ -22,11 +22,18 @@ class StrategyRuns:
 
     model: str
     strategies: Sequence[str]
+    progress: bool = True
     runtimes: dict[str, Runtime] = field(init=False)
 
     def __post_init__(self) -> None:
-        base = EmbeddedEngine(self.model)
-        check = check_model(base)
+        from tqdm import tqdm
+
+        with tqdm(total=2, desc=f"loading {self.model}", unit="step", disable=not self.progress) as bar:
+            base = EmbeddedEngine(self.model)
+            bar.set_description(f"checking {self.model} (agentcache check)")
+            bar.update(1)
+            check = check_model(base)
+            bar.update(1)
         self.runtimes = {s: Runtime(base.with_config(base.config), strategy=s, check=check) for s in self.strategies}
 
     def order(self, round_index: int) -> list[str]:

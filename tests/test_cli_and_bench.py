@@ -20,7 +20,8 @@ def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
     for row in rows.values():
         assert row["calls"] == 2 * 4  # three experts and the decision agent per problem
         assert {"accuracy", "agree", "ttft_mean_s", "reuse_ratio", "hit_rate", "decision_ttft_s"} <= row.keys()
-        assert set(row["per_agent_ttft_s"]) == {"math_solver", "math_analyst", "programmer", "decision"}
+        assert set(row["per_agent_ttft_s"]) == set(row["per_agent_service_s"]) == {"math_solver", "math_analyst", "programmer", "decision"}
+        assert all(row["per_agent_service_s"][a] <= row["per_agent_ttft_s"][a] for a in row["per_agent_ttft_s"])
     assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.5
     assert rows["kvcmas"]["ttft_vs_baseline"] > 0 and rows["nonshared"]["agree"] == 1.0
     out = capsys.readouterr().out

@@ -96,7 +96,7 @@ def run_trips(
         strategies = (*strategies, BASELINE)
     baseline = BASELINE
     started = time.perf_counter()
-    runs = StrategyRuns(model, strategies)
+    runs = StrategyRuns(model, strategies, progress)
     calls: dict[str, list[list[CallResult]]] = {s: [] for s in strategies}
     transcripts: dict[str, list[tuple[str, str]]] = {}
     bar = tqdm(total=trips * len(strategies), desc="travel planner", unit="run", disable=not progress)
