@@ -27,19 +27,11 @@ def _samples() -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    _samples()
-    from samples._compare import write_report
-    from samples.gsm8k_swarm.run import plot, print_report, run_batch
+    from samples.gsm8k_swarm.run import run_and_report
 
-    strategies = tuple(s for s in args.strategies.split(",") if s)
     print(f"agentcache demo: a LangGraph GSM8K swarm on {args.model}, {args.problems} problems under "
-          f"{', '.join(strategies)} (interleaved)", flush=True)
-    report = run_batch(args.model, args.problems, strategies, seed=args.seed, expert_tokens=args.expert_tokens,
-                       decision_tokens=args.decision_tokens)
-    print_report(report)
-    for path in write_report(report, Path(args.results), "demo", plot(report)):
-        print(f"wrote {path}")
-    return 0
+          f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
+    return run_and_report(args, "demo")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -149,18 +141,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(demo_options: bool = False) -> argparse.ArgumentParser:
+    """The command line; the demo's options come from the sample, imported only for `demo`."""
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="the GSM8K swarm (LangGraph) under KVCMAS, NonShared and FullShared")
-    demo.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
-    demo.add_argument("--problems", type=int, default=5)
-    demo.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--expert-tokens", type=int, default=48)
-    demo.add_argument("--decision-tokens", type=int, default=12)
-    demo.add_argument("--results", default="results", help="directory for demo.json and demo.png")
+    if demo_options:
+        _samples()
+        from samples.gsm8k_swarm.run import add_arguments
+
+        add_arguments(demo, problems=5)
     demo.set_defaults(run=_cmd_demo)
 
     bench = commands.add_parser("bench", help="run the benchmarks (all, or the ones named) and collect their JSON")
@@ -207,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(demo_options=bool(argv) and argv[0] == "demo").parse_args(argv)
     return args.run(args)
 
 

@@ -15,7 +15,7 @@ from agentcache_langgraph import AgentCacheChatModel
 from samples._compare import StrategyRuns, figures, format_table, write_report
 from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
 
-__all__ = ["run_batch", "main"]
+__all__ = ["run_batch", "add_arguments", "run_and_report", "main"]
 
 BASELINE = "nonshared"
 COLUMNS = (
@@ -90,8 +90,9 @@ def run_batch(
         # Less the wait behind sibling experts (the fan-out shares one engine): what each call cost.
         row["per_agent_service_s"] = {agent: _mean([r.ttft_s - r.queued_s for r in calls[name] if r.agent == agent])
                                       for agent in _AGENT_ORDER}
-        row["anchor_bytes"] = runtime.summary()["anchor_bytes"]
-        row["faults"] = runtime.summary()["faults"]
+        summary = runtime.summary()
+        row["anchor_bytes"] = summary["anchor_bytes"]
+        row["faults"] = summary["faults"]
         row["refusal"] = runtime.refusal
         rows.append(row)
     return {
@@ -144,22 +145,31 @@ def plot(report: dict[str, Any]):
     return draw
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samples.gsm8k_swarm", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser, problems: int = 6) -> None:
+    """The swarm's options, for this module's command line and for `agentcache demo`."""
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
-    parser.add_argument("--problems", type=int, default=6)
+    parser.add_argument("--problems", type=int, default=problems)
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--expert-tokens", type=int, default=48)
     parser.add_argument("--decision-tokens", type=int, default=12)
     parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
-    args = parser.parse_args(argv)
+
+
+def run_and_report(args: argparse.Namespace, name: str) -> int:
+    """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
     report = run_batch(args.model, args.problems, tuple(s for s in args.strategies.split(",") if s),
                        seed=args.seed, expert_tokens=args.expert_tokens, decision_tokens=args.decision_tokens)
     print_report(report)
-    for path in write_report(report, Path(args.results), "gsm8k_swarm", plot(report)):
+    for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m samples.gsm8k_swarm", description=__doc__)
+    add_arguments(parser)
+    return run_and_report(parser.parse_args(argv), "gsm8k_swarm")
 
 
 def print_report(report: dict[str, Any]) -> None:
