@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+from agentcache.errors import AgentCacheError
+
+if TYPE_CHECKING:  # the scout package is imported only by the trace commands
+    from agentcache.scout.workloads import Trace
+
+__all__ = ["main", "CommandError"]
+
+# Errors that mean bad input (a model that does not load, a bad file, an impossible size): `main` turns
+# them into one line on stderr and exit status 2. Anything else is a bug and keeps its traceback.
+_BAD_INPUT = (AgentCacheError, OSError, ValueError, RecursionError, MemoryError)  # UnicodeError is a ValueError
+
+
+class CommandError(SystemExit):
+    """Bad input to a command: `main` prints the message as one line on stderr; the exit status is 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
 
 
 def _samples() -> None:
@@ -15,19 +35,30 @@ def _samples() -> None:
     check that LangGraph is installed. Core never imports a framework; the samples do."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "samples" / "gsm8k_swarm").is_dir():
-        raise SystemExit(f"this command runs the samples of a source checkout; none found at {root / 'samples'} "
-                         "(git clone the repository and run scripts/demo.sh)")
+        raise CommandError(f"this command runs the samples of a source checkout; none found at {root / 'samples'} "
+                           "(git clone the repository and run scripts/demo.sh)")
     try:
         import langgraph  # noqa: F401
     except ImportError:
-        raise SystemExit("this command runs the LangGraph sample: install the extra with "
-                         "pip install -e '.[langgraph]' (scripts/setup.sh does)") from None
+        raise CommandError("this command runs the LangGraph sample: install the extra with "
+                           "pip install -e '.[langgraph]' (scripts/setup.sh does)") from None
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
 
+def _check_model(model: str) -> None:
+    """Fail before loading anything (and before any progress bar) when --model names no model."""
+    from agentcache.models import PRESETS
+
+    if model not in PRESETS and not Path(model).expanduser().exists():
+        raise CommandError(f"--model {model!r} is not a preset ({', '.join(PRESETS)}) and no such directory; "
+                           "pass a preset name or a local HF model directory")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from samples.gsm8k_swarm.run import run_and_report
+
+    _check_model(args.model)
 
     print(f"agentcache demo: a LangGraph GSM8K swarm on {args.model}, {args.problems} problems under "
           f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
@@ -41,10 +72,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for name in available():
             print(name)
         return 0
+    _check_output_dir(Path(args.results), "--results")
     try:
         report = run_benchmarks(args.names, quick=args.quick)
     except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(str(exc)) from None
+        raise CommandError(str(exc)) from None
     for name, entry in report.items():
         status = "error: " + entry["error"] if "error" in entry else "ok"
         print(f"{name:<16} {entry.get('elapsed_s', 0):7.1f} s  {status}")
@@ -58,7 +90,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_trace_generate(args: argparse.Namespace) -> int:
     from agentcache.scout.workloads import WorkloadSpec, generate
 
-    trace = generate(WorkloadSpec(topology=args.topology, sessions=args.sessions, turns=args.turns, seed=args.seed))
+    _check_output_file(args.out)
+    try:
+        spec = WorkloadSpec(topology=args.topology, sessions=args.sessions, turns=args.turns, seed=args.seed)
+    except ValueError as exc:
+        raise CommandError(f"bad workload option: {exc}") from None
+    trace = generate(spec)
     trace.save(args.out)
     print(f"wrote {args.out}: {len(trace)} requests, agents {', '.join(trace.agents)}")
     return 0
@@ -66,6 +103,8 @@ def _cmd_trace_generate(args: argparse.Namespace) -> int:
 
 def _cmd_trace_record(args: argparse.Namespace) -> int:
     """Run the GSM8K swarm with a trace recorder on the runtime and save what it ran."""
+    _check_output_file(args.out)
+    _check_model(args.model)
     _samples()
     from tqdm import tqdm
 
@@ -89,21 +128,14 @@ def _cmd_trace_record(args: argparse.Namespace) -> int:
 
 def _cmd_trace_replay(args: argparse.Namespace) -> int:
     from agentcache.scout.trace_replay import replay
-    from agentcache.scout.workloads import Trace
 
-    from agentcache.errors import AgentCacheError
-
-    if args.block_size < 1 or args.capacity <= 0 or (args.capacity_blocks is not None and args.capacity_blocks < 1):
-        raise SystemExit("--block-size, --capacity and --capacity-blocks must be positive")
-    try:
-        trace = Trace.load(args.trace)
-    except (OSError, AgentCacheError) as exc:
-        raise SystemExit(f"cannot read trace {args.trace}: {exc}") from None
+    _check_replay_options(args)
+    trace = _load_trace(args.trace)
     largest = trace.max_request_blocks(args.block_size)
     if largest == 0:
-        raise SystemExit(f"no request of {args.trace} fills one block of {args.block_size} tokens: "
-                         "nothing to cache; use a smaller --block-size")
-    capacity = args.capacity_blocks or max(largest, round(args.capacity * largest))
+        raise CommandError(f"no request of {args.trace} fills one block of {args.block_size} tokens: "
+                           "nothing to cache; use a smaller --block-size")
+    capacity = _pool_capacity(args, trace, largest)
     print(f"{args.trace}: {len(trace)} requests, {len(trace.agents)} agents; pool of {capacity} blocks of "
           f"{args.block_size} tokens ({capacity / largest:.2f}x the largest request)")
     rows = {}
@@ -112,13 +144,67 @@ def _cmd_trace_replay(args: argparse.Namespace) -> int:
         try:
             result = replay(trace, policy, capacity, block_size=args.block_size, warmup=warm)
         except (AgentCacheError, ValueError) as exc:  # a capacity below one call, an unknown policy
-            raise SystemExit(f"cannot replay under {policy!r}: {exc}") from None
+            raise CommandError(f"cannot replay under {policy!r}: {exc}") from None
         rows[policy] = {"hit_rate": result.hit_rate, "evictions": result.evictions, "warmups": result.warmups}
         print(f"  {policy:<18} hit rate {result.hit_rate:.3f}   evictions {result.evictions:>6}"
               + (f"   warm-ups {result.warmups}" if warm else ""))
     if args.json:
         print(json.dumps({"trace": str(args.trace), "capacity": capacity, "policies": rows}))
     return 0
+
+
+def _check_replay_options(args: argparse.Namespace) -> None:
+    for option, value in (("--block-size", args.block_size), ("--capacity-blocks", args.capacity_blocks)):
+        if value is not None and value < 1:
+            raise CommandError(f"{option} must be positive (at least 1), got {value}")
+    if not (math.isfinite(args.capacity) and args.capacity > 0):
+        raise CommandError(f"--capacity must be a finite positive number (the pool size as a multiple of the "
+                           f"largest request, e.g. 1.25), got {args.capacity}")
+
+
+def _load_trace(path: str) -> Trace:
+    from agentcache.scout.workloads import Trace
+
+    try:
+        return Trace.load(path)
+    except OSError as exc:
+        raise CommandError(f"cannot read trace {path}: {exc.strerror or exc}; pass a trace file") from None
+    except AgentCacheError as exc:  # it names the file
+        raise CommandError(f"cannot read trace {exc}") from None
+
+
+def _pool_capacity(args: argparse.Namespace, trace: Trace, largest: int) -> int:
+    """The pool size in blocks the options ask for, clamped to the blocks the trace can ever fill:
+    a larger pool never evicts, so it replays the same, and policies size their state by capacity."""
+    bound = trace.total_blocks(args.block_size)
+    if args.capacity_blocks is not None:
+        asked = args.capacity_blocks
+    else:  # min() first: a huge --capacity times the largest request may not fit an int
+        asked = max(largest, round(min(args.capacity * largest, bound + 1)))
+    if asked <= bound:
+        return asked
+    print(f"pool clamped to {bound} blocks: {args.trace} never caches more blocks of {args.block_size} tokens, "
+          "so a larger pool replays the same")
+    return bound
+
+
+def _check_output_file(path: str) -> None:
+    """Fail before any work when `path` cannot be written as a file."""
+    target = Path(path)
+    if target.is_dir():
+        raise CommandError(f"cannot write {path}: it is a directory; pass a file path such as {target / 'trace.jsonl'}")
+    if not target.parent.is_dir():
+        raise CommandError(f"cannot write {path}: {target.parent} is not a directory; "
+                           "pass a path in an existing directory")
+
+
+def _check_output_dir(path: Path, option: str) -> None:
+    """Fail before any work when `path` cannot be (made) a directory to write into."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise CommandError(f"{option} {path}: {existing} is a file, not a directory; pass a directory path")
+    if not os.access(existing, os.W_OK):
+        raise CommandError(f"{option} {path}: {existing} is not writable; pass a directory you can write to")
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -135,6 +221,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from agentcache.engine import EmbeddedEngine
     from agentcache.selfcheck import check_model
 
+    _check_model(args.model)
     report = check_model(EmbeddedEngine(args.model))
     print(json.dumps(report.to_dict(), indent=2))
     print(("PASSED: " if report.passed else "FAILED: ") + report.reason, file=sys.stderr)
@@ -198,9 +285,29 @@ def _parser(demo_options: bool = False) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input prints `agentcache: error: <what is wrong>` on stderr and raises
+    CommandError (a SystemExit with status 2); argparse's own usage errors exit 2 too."""
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser(demo_options=bool(argv) and argv[0] == "demo").parse_args(argv)
-    return args.run(args)
+    try:
+        args = _parser(demo_options=bool(argv) and argv[0] == "demo").parse_args(argv)
+        return args.run(args)
+    except CommandError as exc:
+        error = exc
+    except _BAD_INPUT as exc:
+        error = CommandError(_describe(exc))
+    print(f"agentcache: error: {' '.join(str(error).split())}", file=sys.stderr)
+    raise error from None
+
+
+def _describe(exc: BaseException) -> str:
+    """The message for a bad-input error that reached `main` without a command's own check."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"cannot use {exc.filename}: {exc.strerror}; check the path and its permissions"
+    if isinstance(exc, MemoryError):
+        return "out of memory; ask for less (smaller sizes or counts)"
+    if isinstance(exc, AgentCacheError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ __all__ = [
     "RopeAlignmentError",
     "CapacityError",
     "TraceError",
+    "InputError",
 ]
 
 
@@ -47,3 +48,8 @@ class CapacityError(AgentCacheError, ValueError):
 
 class TraceError(AgentCacheError, ValueError):
     """A workload trace is malformed or does not match what it is replayed against."""
+
+
+class InputError(AgentCacheError, ValueError, TypeError):
+    """A public API was called with an argument of the wrong type or value; raised before any work.
+    It is a ValueError and a TypeError too, so code catching either keeps working."""

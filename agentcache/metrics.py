@@ -1,16 +1,28 @@
-"""Per-call results and aggregate figures of a runtime, and their JSON form."""
+"""Per-call results, aggregate figures kept incrementally, and sinks that stream records out.
+
+A long-lived runtime never re-reads its history: `Figures` folds each call into counters and a
+bounded reservoir of TTFTs (exact percentiles up to `RESERVOIR` calls, a uniform sample after),
+and per-call records go to a bounded ring and, if asked, to a callback such as `JsonlSink`.
+"""
 
 from __future__ import annotations
 
+import json
+import random
+import threading
+from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import ExecResult
 from agentcache.segments import DispatchEvent
 
-__all__ = ["SegmentReport", "CallResult", "summarize", "percentile"]
+__all__ = ["SegmentReport", "CallResult", "Figures", "JsonlSink", "summarize", "percentile", "RESERVOIR"]
+
+RESERVOIR = 10_000  # TTFTs kept for percentiles: exact up to this many calls, a uniform sample after
 
 
 @dataclass(frozen=True)
@@ -19,7 +31,7 @@ class SegmentReport:
     kind: str  # "pf" or "ph"
     start: int
     length: int
-    decision: str  # "prefix_hit", "dense", "first", "corrected", "reused", "fallback", "off"
+    decision: str  # "prefix_hit", "own_lineage_hit", "dense", "first", "corrected", "reused", "fallback", "off"
     reason: str | None  # why a PH segment fell back to dense
     cached_tokens: int
     computed_tokens: int
@@ -27,6 +39,7 @@ class SegmentReport:
     entropy: float | None = None
     source: str | None = None  # the agent whose cache was the source (corrected/reused/fallback)
     plan_s: float = 0.0  # looking up, gating and correcting it (inside TTFT)
+    lineage_tokens: int = 0  # of cached_tokens, served by the caller's own approximate lineage blocks
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,7 @@ class CallResult:
     queued_s: float  # of which waiting for the runtime: other calls (a fan-out's siblings) or a warm-up
     total_s: float  # to the last token, plus anchor construction after it
     prompt_tokens: int
-    cached_tokens: int  # exact (or own-lineage) prefix hits
+    cached_tokens: int  # prefix hits: exact blocks and the caller's own lineage (see lineage_tokens)
     ph_tokens: int  # tokens of shared segments
     eligible_tokens: int  # PH tokens with a source cache and no prefix hit: could be reused
     reused_tokens: int  # PH tokens injected (corrected or raw)
@@ -49,6 +62,13 @@ class CallResult:
     segment_kv: list[SegmentKV | None] = field(default_factory=list, repr=False, compare=False)
     prompt_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     event: DispatchEvent | None = None  # the adapter's dispatch event for this call
+    session: str | None = None
+    tenant: str | None = None
+    lineage_tokens: int = 0  # of cached_tokens, approximate: the caller's own lineage blocks
+
+    @property
+    def exact_cached_tokens(self) -> int:
+        return self.cached_tokens - self.lineage_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_EXPORTED} | {
@@ -68,31 +88,97 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[index]
 
 
-def summarize(results: list[CallResult]) -> dict[str, Any]:
-    """Aggregate figures over calls: hit rate, reuse ratio, TTFT percentiles, decisions."""
-    prompt = sum(r.prompt_tokens for r in results)
-    cached = sum(r.cached_tokens for r in results)
-    eligible = sum(r.eligible_tokens for r in results)
-    reused = sum(r.reused_tokens for r in results)
-    ttfts = [r.ttft_s for r in results]
-    decisions = Counter(s.decision for r in results for s in r.segments if s.kind == "ph")
-    reasons = Counter(s.reason for r in results for s in r.segments if s.reason)
-    return {
-        "calls": len(results),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt if prompt else 0.0,
-        "ph_tokens": sum(r.ph_tokens for r in results),
-        "eligible_tokens": eligible,
-        "reused_tokens": reused,
-        "reuse_ratio": reused / eligible if eligible else 0.0,
-        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
-        "ttft_p99_s": percentile(ttfts, 99),
-        # TTFT less the wait for other calls: what the call itself cost (prefill, correction)
-        "service_ttft_mean_s": sum(r.ttft_s - r.queued_s for r in results) / len(results) if results else None,
-        "queued_mean_s": sum(r.queued_s for r in results) / len(results) if results else None,
-        "ph_decisions": dict(decisions),
-        "fallback_reasons": dict(reasons),
-    }
+class Figures:
+    """Aggregate figures over calls, updated per call in O(1): hit rate, reuse ratio, TTFT
+    percentiles, decisions. Thread-safe."""
+
+    def __init__(self, reservoir: int = RESERVOIR) -> None:
+        self._lock = threading.Lock()
+        self._reservoir = reservoir
+        self._ttfts = array("d")
+        self._rng = random.Random(0)  # reservoir sampling (Algorithm R), reproducible
+        self.calls = 0
+        self._sums: Counter[str] = Counter()
+        self.ph_decisions: Counter[str] = Counter()
+        self.fallback_reasons: Counter[str] = Counter()
+
+    def add(self, result: CallResult) -> None:
+        with self._lock:
+            self.calls += 1
+            sums = self._sums
+            sums["prompt"] += result.prompt_tokens
+            sums["cached"] += result.exact_cached_tokens
+            sums["lineage"] += result.lineage_tokens
+            sums["ph"] += result.ph_tokens
+            sums["eligible"] += result.eligible_tokens
+            sums["reused"] += result.reused_tokens
+            sums["ttft"] += result.ttft_s
+            sums["queued"] += result.queued_s
+            for seg in result.segments:
+                if seg.kind == "ph":
+                    self.ph_decisions[seg.decision] += 1
+                if seg.reason:
+                    self.fallback_reasons[seg.reason] += 1
+            if len(self._ttfts) < self._reservoir:
+                self._ttfts.append(result.ttft_s)
+            else:
+                slot = self._rng.randrange(self.calls)
+                if slot < self._reservoir:
+                    self._ttfts[slot] = result.ttft_s
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            n, sums, ttfts = self.calls, self._sums, list(self._ttfts)
+            prompt, eligible = sums["prompt"], sums["eligible"]
+            return {
+                "calls": n,
+                "prompt_tokens": prompt,
+                "cached_tokens": sums["cached"],  # exact prefix hits only
+                "hit_rate": sums["cached"] / prompt if prompt else 0.0,
+                # the caller's own approximate lineage blocks: reuse, never counted as exact hits
+                "own_lineage_tokens": sums["lineage"],
+                "own_lineage_hit_rate": sums["lineage"] / prompt if prompt else 0.0,
+                "ph_tokens": sums["ph"],
+                "eligible_tokens": eligible,
+                "reused_tokens": sums["reused"],
+                "reuse_ratio": sums["reused"] / eligible if eligible else 0.0,
+                "ttft_mean_s": sums["ttft"] / n if n else None,
+                "ttft_p50_s": percentile(ttfts, 50),
+                "ttft_p90_s": percentile(ttfts, 90),
+                "ttft_p99_s": percentile(ttfts, 99),
+                "ttft_percentiles_exact": n <= self._reservoir,
+                # TTFT less the wait for other calls: what the call itself cost (prefill, correction)
+                "service_ttft_mean_s": (sums["ttft"] - sums["queued"]) / n if n else None,
+                "queued_mean_s": sums["queued"] / n if n else None,
+                "ph_decisions": dict(self.ph_decisions),
+                "fallback_reasons": dict(self.fallback_reasons),
+            }
+
+
+def summarize(results: Iterable[CallResult]) -> dict[str, Any]:
+    """Aggregate figures over some calls (e.g. one strategy's), as `Runtime.summary()` keeps them."""
+    figures = Figures()
+    for result in results:
+        figures.add(result)
+    return figures.to_dict()
+
+
+class JsonlSink:
+    """A per-call callback that appends each call's record to a JSON-lines file (one object a line):
+    `Runtime(..., on_call=JsonlSink("calls.jsonl"))` streams records out instead of holding them."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def __call__(self, result: CallResult) -> None:
+        line = json.dumps(result.to_dict(), default=str)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -5,6 +5,11 @@ block pool (the agent's own lineage included), asks the corrector how to materia
 shared segment after it (corrected, raw, or dense), executes the plan on the engine, and then
 records each shared segment's cache as the source of the next workflow edge, builds anchors
 after dense fallbacks, and keeps the agent's decoded output as the source of `out:<agent>`.
+
+Isolation (see `agentcache.isolation`): sources and agents' outputs belong to the call's session,
+anchors to its tenant, approximate blocks to its lineage (runtime, tenant, session, agent). Memory
+is bounded: sessions, per-call records (a ring; stream them out with `on_call`) and figures (kept
+incrementally) all have limits in `RuntimeConfig`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,8 +31,11 @@ from agentcache.correction.corrector import Corrector, PHDecision
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
-from agentcache.errors import KVShapeError, PlanError, RopeAlignmentError
-from agentcache.metrics import CallResult, SegmentReport, summarize
+from agentcache.errors import InputError, KVShapeError, PlanError, RopeAlignmentError, SegmentError
+from agentcache.isolation import Scope, lineage_salt, tenant_salt
+from agentcache.metrics import CallResult, Figures, SegmentReport
+from agentcache.selfcheck import CheckReport
+from agentcache.sessions import SessionTable
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner
 from agentcache.scout.policies import SurvivalPolicy
@@ -39,13 +47,16 @@ __all__ = ["Runtime", "RuntimeConfig"]
 
 log = logging.getLogger(__name__)
 
-_SESSIONS_REMEMBERED = 64  # sessions whose shared texts `shared_texts` keeps
+_DISPATCH_KEYS = 1024  # distinct framework:agent keys `summary()["dispatches"]` counts apart
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     anchor_bytes: int = 2**30  # all anchor pools together
     store_bytes: int = 2**30  # materialized shared-segment caches (chain sources)
+    keep_calls: int = 1000  # per-call records (`results`, `events`) kept in a ring; 0 keeps none
+    max_sessions: int = 128  # sessions remembered (outputs, shared texts, sources); the oldest are forgotten
+    session_entries: int = 256  # agents' outputs and shared texts kept per session
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
     keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
     warmup: bool = False  # between calls, prefill the predicted next agent's prefix (CacheScout)
@@ -54,12 +65,14 @@ class RuntimeConfig:
     scout: ScoutConfig = field(default_factory=ScoutConfig)
 
     def __post_init__(self) -> None:
-        for name in ("anchor_bytes", "store_bytes"):
+        for name in ("anchor_bytes", "store_bytes", "max_sessions", "session_entries"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+                raise InputError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+        if type(self.keep_calls) is not int or self.keep_calls < 0:
+            raise InputError(f"RuntimeConfig.keep_calls must be an int >= 0 (0 keeps no records), got {self.keep_calls!r}")
         if not isinstance(self.scout, ScoutConfig):
-            raise ValueError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
+            raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
 
 
 @dataclass
@@ -80,9 +93,19 @@ class Runtime:
         model: Any = None,
         strategy: str | Strategy = "kvcmas",
         config: RuntimeConfig | None = None,
-        check: Any = None,
+        check: CheckReport | None = None,
         recorder: TraceRecorder | None = None,
+        on_call: Callable[[CallResult], None] | None = None,
     ) -> None:
+        """`check`: a self-check report to trust instead of running the check; `on_call`: called with
+        every finished call's record (e.g. `metrics.JsonlSink(path)`), to keep records beyond the ring."""
+        if config is not None and not isinstance(config, RuntimeConfig):
+            raise InputError(f"Runtime(config=...) must be a RuntimeConfig, got {type(config).__name__}")
+        if check is not None and not isinstance(check, CheckReport):
+            raise InputError(f"Runtime(check=...) must be a CheckReport (from agentcache.check_model) or None, "
+                             f"got {type(check).__name__}")
+        if on_call is not None and not callable(on_call):
+            raise InputError(f"Runtime(on_call=...) must be callable or None, got {type(on_call).__name__}")
         if engine is None:
             from agentcache.engine.embedded import EmbeddedEngine
             from agentcache.models import DEFAULT_MODEL
@@ -97,14 +120,16 @@ class Runtime:
         self.refusal: str | None = None  # why a requested correcting strategy was refused
         self.strategy = self._vet(self.requested_strategy)
         self.corrector = Corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
-        self.results: list[CallResult] = []
-        self.events: list[DispatchEvent] = []  # the adapters' dispatch events, in call order
-        self._shared_texts: OrderedDict[str | None, dict[str, str]] = OrderedDict()  # session -> text -> slot
-        self._texts_lock = threading.Lock()  # not the runtime's lock: adapters read texts while a call runs
+        self.figures = Figures()
+        self._results: deque[CallResult] = deque(maxlen=self.config.keep_calls)
+        self._events: deque[DispatchEvent] = deque(maxlen=self.config.keep_calls)
+        self._dispatches: Counter[str] = Counter()
+        self._records_lock = threading.Lock()  # not the runtime's lock: records are read while a call runs
+        self.on_call = on_call
+        self.sessions = SessionTable(self.config.max_sessions, self.config.session_entries, self._forget_session)
         self._waiting = 0  # calls that entered `run` and wait for the lock: a warm-up must not delay them
         self._waiting_lock = threading.Lock()
-        self._last_output: dict[str, str] = {}
-        self._id = uuid.uuid4().hex[:12]
+        self._id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self.recorder = recorder
         self._own_learner: TransitionLearner | None = None
@@ -137,7 +162,13 @@ class Runtime:
         if self.check is None and self.config.self_check:
             from agentcache.selfcheck import check_model
 
-            self.check = check_model(self.engine)
+            try:
+                self.check = check_model(self.engine)
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run proves nothing: refuse reuse
+                log.warning("the self-check raised on %s (%s: %s); running NonShared instead of %s",
+                            self.engine.model_name, type(exc).__name__, exc, strategy.name)
+                self.refusal = f"the self-check raised {type(exc).__name__}: {exc}"
+                return STRATEGIES["nonshared"]
         if self.check is not None and not self.check.passed:
             log.warning("self-check failed on %s (%s); running NonShared instead of %s",
                         self.engine.model_name, self.check.reason, strategy.name)
@@ -160,10 +191,16 @@ class Runtime:
         `event` is the adapter's dispatch event for this call (it must name the call's agent and
         session); `on_token` is called with each generated token id as it is produced."""
         if not isinstance(call, AgentCall):
-            raise TypeError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
+            raise InputError(f"Runtime.run takes an AgentCall, got {type(call).__name__}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InputError(f"Runtime.run(sampling=...) must be a SamplingParams, got {type(sampling).__name__}: "
+                             "pass SamplingParams(max_tokens=..., ...)")
+        if on_token is not None and not callable(on_token):
+            raise InputError(f"Runtime.run(on_token=...) must be callable (it gets each token id) or None, "
+                             f"got {type(on_token).__name__}")
         if event is not None:
             if not isinstance(event, DispatchEvent):
-                raise TypeError(f"event must be a DispatchEvent, got {type(event).__name__}")
+                raise InputError(f"event must be a DispatchEvent, got {type(event).__name__}")
             if (event.agent, event.session) != (call.agent, call.session):
                 raise PlanError(f"dispatch event for agent {event.agent!r} (session {event.session!r}) does not "
                                 f"match the call of agent {call.agent!r} (session {call.session!r})")
@@ -175,10 +212,36 @@ class Runtime:
             queued = time.perf_counter() - started  # waiting for other calls or a warm-up
             result = self._run(call, sampling, started, queued, on_token, event)
             if event is not None:  # a failed call records no event
-                self.events.append(event)
+                key = f"{event.framework}:{event.agent}"
+                with self._records_lock:
+                    self._events.append(event)
+                    self._dispatches[key if key in self._dispatches or len(self._dispatches) < _DISPATCH_KEYS
+                                     else "(other)"] += 1
             if self.warmup_coordinator is not None:
-                self._plan_warmup(call.session)
+                self._plan_warmup(call)
+        self._emit(result)
         return result
+
+    @property
+    def results(self) -> list[CallResult]:
+        """The newest `config.keep_calls` calls' records, oldest first (all figures are in `summary()`)."""
+        with self._records_lock:
+            return list(self._results)
+
+    @property
+    def events(self) -> list[DispatchEvent]:
+        """The newest `config.keep_calls` dispatch events the adapters sent, in call order."""
+        with self._records_lock:
+            return list(self._events)
+
+    def _emit(self, result: CallResult) -> None:
+        """Hand a finished call's record to `on_call`; a failing sink is counted, never the call's fault."""
+        if self.on_call is None:
+            return
+        try:
+            self.on_call(result)
+        except Exception as exc:  # noqa: BLE001
+            self.corrector.fault("sink_error", "the on_call sink raised; the call's record was not kept there", exc)
 
     def _count_waiting(self, change: int) -> None:
         with self._waiting_lock:
@@ -198,7 +261,7 @@ class Runtime:
 
     # --- warm-up (CacheScout) --------------------------------------------------------------
 
-    def _plan_warmup(self, session: str | None) -> None:
+    def _plan_warmup(self, call: AgentCall) -> None:
         """After a call, under the lock: plan a warm-up and start it on a background thread, where
         it runs once the lock is free. A call arriving meanwhile waits (in its TTFT). Planning
         faults are counted and logged: a warm-up never costs a call."""
@@ -209,7 +272,7 @@ class Runtime:
             self.warmup_coordinator.outcomes["calls_waiting"] += 1
             return
         try:
-            plan = self.warmup_coordinator.next_warmup(session, self._prefix_cached)
+            plan = self.warmup_coordinator.next_warmup(self._engine_session(call), self._prefix_cached)
         except Exception as exc:
             self.warmup_faults += 1
             log.warning("planning a warm-up failed: %s", exc)
@@ -219,13 +282,14 @@ class Runtime:
                                                    daemon=True)
             self._warmup_thread.start()
 
-    def _prefix_cached(self, prefix: Sequence[int]) -> bool:
+    def _prefix_cached(self, prefix: Sequence[int], namespace: str | None) -> bool:
         servable = (len(prefix) - 1) // self.engine.block_size * self.engine.block_size  # what a hit can cover
-        return self.engine.cached_prefix_length(prefix) >= servable
+        return self.engine.cached_prefix_length(prefix, cache_salt=namespace) >= servable
 
     def _warm(self, plan: Warmup) -> None:
         request = ExecRequest([SegmentPlan(f"warmup:{plan.agent}", list(plan.prefix), Step.PREFIX)],
-                              SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False)
+                              SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False,
+                              cache_salt=plan.namespace)
         try:
             with self._lock, torch.inference_mode():
                 if self._waiting:  # a call arrived since the plan: never delay it for a guess
@@ -254,34 +318,37 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def output_segment(self, agent: str) -> Segment:
-        """A PH segment holding `agent`'s latest output, for another agent's call."""
-        if agent not in self._last_output:
-            raise PlanError(f"agent {agent!r} has produced no output yet; known: {sorted(self._last_output)}")
-        return Segment.ph(output_slot(agent), self._last_output[agent])
+    def output_segment(self, agent: str, *, session: str | None, tenant: str | None = None) -> Segment:
+        """A PH segment holding `agent`'s latest output in `session` (of `tenant`), for another
+        agent's call in that session. `session` is required: pass None for the default session."""
+        scope = Scope(tenant, session)
+        output = self.sessions.output(scope, agent)
+        if output is None:
+            raise PlanError(f"agent {agent!r} has produced no output in session {session!r}"
+                            f"{f' of tenant {tenant!r}' if tenant is not None else ''}; agents with output there: "
+                            f"{self.sessions.agents(scope)}")
+        return Segment.ph(output_slot(agent), output)
 
-    def shared_texts(self, session: str | None = None) -> dict[str, str]:
+    def shared_texts(self, session: str | None = None, tenant: str | None = None) -> dict[str, str]:
         """The shared texts (PH contents and agents' outputs, stripped) seen in `session`, each
         with its slot: what an adapter can find quoted inside a monolithic prompt."""
-        with self._texts_lock:
-            return dict(self._shared_texts.get(session, {}))
+        return self.sessions.texts(Scope(tenant, session))
 
-    def _remember_texts(self, call: AgentCall, output: str) -> None:
-        with self._texts_lock:
-            texts = self._shared_texts.setdefault(call.session, {})
-            self._shared_texts.move_to_end(call.session)
-            for seg in call.segments:
-                if seg.kind == "ph" and seg.text and seg.text.strip():
-                    texts.setdefault(seg.text.strip(), seg.slot)
-            if output.strip():
-                texts[output.strip()] = output_slot(call.agent)
-            while len(self._shared_texts) > _SESSIONS_REMEMBERED:
-                self._shared_texts.popitem(last=False)
+    def _forget_session(self, scope: Scope) -> None:
+        """A session left the session table: its source caches go too."""
+        self.corrector.store.drop_scope(scope)
 
     def _lineage(self, call: AgentCall) -> str:
         """Salt for the approximate KV a call caches: only this agent's later calls in the same
-        runtime and session may be served from it."""
-        return f"{self._id}/{call.session or '-'}/{call.agent}"
+        runtime, tenant and session may be served from it."""
+        return lineage_salt(self._id, Scope(call.tenant, call.session), call.agent)
+
+    @staticmethod
+    def _engine_session(call: AgentCall) -> str | None:
+        """The session as the engine's eviction policy sees it (tenants apart)."""
+        if call.tenant is None:
+            return call.session
+        return json.dumps([call.tenant, call.session])
 
     def _tokenize(self, call: AgentCall) -> tuple[list[Segment], list[list[int]]]:
         """The call's segments and their tokens. The prompt starts with BOS: in the first segment
@@ -289,10 +356,14 @@ class Runtime:
         other agents' copies of the same content)."""
         segments, ids = list(call.segments), []
         bos = self.engine.bos_token_id
+        vocab = self.engine.vocab_size
         for i, seg in enumerate(segments):
             tokens = list(seg.token_ids) if seg.token_ids is not None else self.engine.tokenize(seg.text)
             if not tokens:
                 raise PlanError(f"segment {i} ({seg.name}) of agent {call.agent!r} tokenizes to nothing")
+            if seg.token_ids is not None and max(tokens) >= vocab:
+                raise SegmentError(f"segment {i} ({seg.name}) of agent {call.agent!r}: token id {max(tokens)} is "
+                                   f"not in {self.engine.model_name}'s vocabulary of {vocab}")
             ids.append(tokens)
         if bos is not None and ids[0][0] != bos:
             if segments[0].kind == "pf":
@@ -307,10 +378,11 @@ class Runtime:
         on_token: Callable[[int], None] | None, event: DispatchEvent | None,
     ) -> CallResult:
         agent = call.agent
-        lineage = self._lineage(call)
+        scope = Scope(call.tenant, call.session)
+        lineage, namespace = self._lineage(call), tenant_salt(call.tenant)
         segments, token_lists = self._tokenize(call)
         prompt = [t for tokens in token_lists for t in tokens]
-        hit = self.engine.cached_prefix_length(prompt, lineage=lineage)
+        hit = self.engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)
 
         decisions: dict[int, PHDecision] = {}
         pieces: list[_Piece] = []
@@ -319,10 +391,8 @@ class Runtime:
         for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
             end = pos + len(tokens)
             if seg.kind == "ph" and end > hit:
-                decision = self.corrector.plan(agent, seg.slot, tokens, seg.source)
+                decision = self.corrector.plan(scope, agent, seg.slot, tokens, seg.source)
                 skip = max(0, hit - pos)  # leading tokens of the segment the prefix cache serves
-                # Only a hit reaching into the segment matters; was it free of the lineage's approximate blocks?
-                decision.prefix_exact = skip == 0 or self.engine.cached_prefix_length(prompt) >= hit
                 decisions[index] = decision
                 if decision.reused and decision.covered > skip:
                     cover = decision.covered
@@ -340,20 +410,24 @@ class Runtime:
             pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX if leading else Step.DENSE)))
             pos = end
 
+        def execute(pieces: list[_Piece]) -> ExecResult:
+            return self.engine.execute(ExecRequest(
+                [p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
+                session=self._engine_session(call), on_token=on_token))
+
         try:
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent,
-                                                     session=call.session, on_token=on_token))
+            result = execute(pieces)
         except (KVShapeError, RopeAlignmentError) as exc:
             if not any(p.plan.step is Step.INJECT for p in pieces):
                 raise
             # The engine refused reused KV: never serve it, prefill everything instead.
-            log.warning("engine refused reused KV for agent %r (%s); prefilling densely", agent, exc)
+            self.corrector.fault("engine_rejected", f"the engine refused reused KV for agent {agent!r}; "
+                                 "prefilling densely", exc)
             for index, decision in decisions.items():
                 if decision.reused:
                     decisions[index] = PHDecision("fallback", reason="engine_rejected")
             pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
-            result = self.engine.execute(ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, owner=agent, session=call.session,
-                                                     on_token=on_token))
+            result = execute(pieces)
         first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
         ttft = first_token - started
 
@@ -361,22 +435,29 @@ class Runtime:
         for piece, outcome in zip(pieces, result.segments):
             outcomes[piece.index].append(outcome)
         kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
-        reports = self._commit(agent, segments, token_lists, outcomes, decisions, result, kvs)
-        self._last_output[agent] = result.text
-        self._remember_texts(call, result.text)
+        reports = self._reports(segments, token_lists, outcomes, decisions)
+        self._commit(scope, agent, segments, token_lists, reports, decisions, result, kvs)
+        self.sessions.record(scope, agent, result.text, output_slot(agent), [
+            (seg.text.strip(), seg.slot) for seg in call.segments if seg.kind == "ph" and seg.text and seg.text.strip()])
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
             ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, event=event, prompt_tokens=result.prompt_tokens,
-            cached_tokens=result.cached_tokens,
+            cached_tokens=result.cached_tokens, lineage_tokens=sum(r.lineage_tokens for r in reports),
+            session=call.session, tenant=call.tenant,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
             reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
             segments=reports, prompt_ids=prompt,
             engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )
-        self.results.append(outcome)
+        with self._records_lock:
+            self._results.append(outcome)
+        self.figures.add(outcome)
         if self.warmup_coordinator is not None or self.recorder is not None:
-            self._observe(call, segments, token_lists, prompt, result.token_ids)
+            try:
+                self._observe(call, segments, token_lists, prompt, result.token_ids)
+            except Exception as exc:  # noqa: BLE001 - learning who runs next never costs the call
+                self.corrector.fault("observe_error", f"observing agent {agent!r}'s call for CacheScout", exc)
         return outcome
 
     def _observe(
@@ -393,42 +474,65 @@ class Runtime:
         if self.warmup_coordinator is not None:
             if self._own_learner is not None:  # the engine's policy does not learn dispatches itself
                 self._own_learner.observe(call.agent, call.session)
-            self.warmup_coordinator.observe(call.agent, prompt, prefix_len)
+            self.warmup_coordinator.observe(call.agent, prompt, prefix_len, tenant_salt(call.tenant))
         if self.recorder is not None:
             self.recorder.record(call.agent, call.session, prompt, output, prefix_len)
 
-    def _commit(
-        self,
-        agent: str,
+    @staticmethod
+    def _reports(
         segments: list[Segment],
         token_lists: list[list[int]],
         outcomes: list[list[SegmentOutcome]],
         decisions: dict[int, PHDecision],
-        result: ExecResult,
-        kvs: list[SegmentKV | None],
     ) -> list[SegmentReport]:
-        """After the first token: record materializations and anchors, and report each segment."""
+        """How each call segment was materialized. A segment served whole from the prefix cache is a
+        `prefix_hit` when every block was exact, an `own_lineage_hit` when some came from the caller's
+        own approximate lineage: never counted as exact."""
         reports = []
         for index, (seg, tokens, parts) in enumerate(zip(segments, token_lists, outcomes)):
             cached = sum(o.cached_tokens for o in parts)
-            computed = sum(o.computed_tokens for o in parts)
-            injected = sum(o.injected_tokens for o in parts)
-            made = "prefix_hit" if cached == len(tokens) else "dense"
+            lineage = sum(o.lineage_tokens for o in parts)
             decision = decisions.get(index)
-            label = decision.decision if decision is not None else made
-            if seg.kind == "ph":
-                self.corrector.commit(agent, seg.slot, tokens, decision or PHDecision(made), kvs[index],
-                                      how=label if decision is not None and decision.reused else made)
             reports.append(SegmentReport(
-                name=seg.name, kind=seg.kind, start=parts[0].start, length=len(tokens), decision=label,
-                reason=decision.reason if decision else None, cached_tokens=cached, computed_tokens=computed,
-                injected_tokens=injected, entropy=decision.entropy if decision else None,
+                name=seg.name, kind=seg.kind, start=parts[0].start, length=len(tokens),
+                decision=decision.decision if decision is not None else _made(len(tokens), cached, lineage),
+                reason=decision.reason if decision else None, cached_tokens=cached,
+                computed_tokens=sum(o.computed_tokens for o in parts),
+                injected_tokens=sum(o.injected_tokens for o in parts),
+                entropy=decision.entropy if decision else None,
                 source=decision.source.agent if decision and decision.source else None,
-                plan_s=decision.plan_s if decision else 0.0,
+                plan_s=decision.plan_s if decision else 0.0, lineage_tokens=lineage,
             ))
-        fed = result.token_ids[:-1]
-        self.corrector.record_output(agent, fed, result.generated_kv)
         return reports
+
+    def _commit(
+        self,
+        scope: Scope,
+        agent: str,
+        segments: list[Segment],
+        token_lists: list[list[int]],
+        reports: list[SegmentReport],
+        decisions: dict[int, PHDecision],
+        result: ExecResult,
+        kvs: list[SegmentKV | None],
+    ) -> None:
+        """After the first token: record materializations and anchors. A fault here is counted and
+        costs only what it touched; the call's result stands."""
+        for index, (seg, tokens, report) in enumerate(zip(segments, token_lists, reports)):
+            if seg.kind != "ph":
+                continue
+            made = _made(report.length, report.cached_tokens, report.lineage_tokens)
+            decision = decisions.get(index) or PHDecision(made)
+            how = decision.decision if decision.reused else made
+            try:
+                self.corrector.commit(scope, agent, seg.slot, tokens, decision, kvs[index], how,
+                                      own_tokens_exact=report.lineage_tokens == 0)
+            except Exception as exc:  # noqa: BLE001
+                self.corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
+        try:
+            self.corrector.record_output(scope, agent, result.token_ids[:-1], result.generated_kv)
+        except Exception as exc:  # noqa: BLE001
+            self.corrector.fault("commit_error", f"recording agent {agent!r}'s output", exc)
 
     # --- figures -------------------------------------------------------------------------
 
@@ -437,7 +541,7 @@ class Runtime:
             return self._summary()
 
     def _summary(self) -> dict[str, Any]:
-        figures = summarize(self.results)
+        figures = self.figures.to_dict()
         bank, store = self.corrector.bank, self.corrector.store
         figures.update(
             model=self.engine.model_name,
@@ -449,15 +553,21 @@ class Runtime:
             anchors_evicted=bank.evicted,
             store_bytes=store.nbytes,
             store_entries=len(store),
+            sessions=len(self.sessions),
+            sessions_forgotten=self.sessions.forgotten,
             anchor_build_s=self.corrector.anchor_build_s,
-            faults=dict(self.corrector.fallbacks),
+            faults=dict(self.corrector.faults),  # real faults only; normal fallbacks are in fallback_reasons
             eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
             warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,
             warmup_faults=self.warmup_faults,
             warmup_s=self.warmup_s,
-            dispatches=dict(Counter(f"{e.framework}:{e.agent}" for e in self.events)),
+            dispatches=self._dispatch_counts(),
         )
         return figures
+
+    def _dispatch_counts(self) -> dict[str, int]:
+        with self._records_lock:
+            return dict(self._dispatches)
 
     def export_json(self, path: str | Path) -> Path:
         path = Path(path)
@@ -468,12 +578,19 @@ class Runtime:
         return path
 
 
+def _made(length: int, cached: int, lineage: int) -> str:
+    """How the engine materialized a segment it was not asked to inject."""
+    return "dense" if cached < length else "own_lineage_hit" if lineage else "prefix_hit"
+
+
 def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:
-    """One segment's KV from the engine segments it was split into (contiguous positions)."""
+    """One segment's KV from the engine segments it was split into (contiguous positions). It is
+    exact when every part is: then the last part's digest names the whole prefix through its end."""
     if not parts or any(p is None for p in parts):
         return None
     if len(parts) == 1:
         return parts[0]
     keys = torch.cat([p.keys for p in parts], dim=2)  # (L, H, T, D)
     values = torch.cat([p.values for p in parts], dim=2)
-    return SegmentKV(keys, values, parts[0].start, None)
+    exact_for = parts[-1].exact_for if all(p.exact for p in parts) else None
+    return SegmentKV(keys, values, parts[0].start, exact_for)

@@ -6,9 +6,33 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot"]
+from agentcache.errors import InputError
+
+__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot", "MAX_TOKEN_ID"]
+
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; engines check their own size
+
+
+class _Validated(BaseModel):
+    """A pydantic model whose bad input raises InputError with one line per problem, naming the field."""
+
+    def __init__(self, **data) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                ".".join([type(self).__name__, *(str(p) for p in e["loc"])]) + ": " + e["msg"].removeprefix("Value error, ")
+                for e in exc.errors(include_url=False)
+            )
+            raise InputError(problems) from None
+
+
+def _optional_name(value: str | None, what: str) -> str | None:
+    if value is not None and not value.strip():
+        raise ValueError(f"{what} must be a non-empty string or None (the default), got {value!r}")
+    return value
 
 
 def output_slot(agent: str) -> str:
@@ -16,14 +40,14 @@ def output_slot(agent: str) -> str:
     return f"out:{agent}"
 
 
-class Segment(BaseModel):
+class Segment(_Validated):
     """PF: agent-specific text (always exact). PH: shared content, read through its `slot`."""
 
     model_config = ConfigDict(frozen=True)
 
     kind: Literal["pf", "ph"]
     text: str | None = None
-    token_ids: tuple[int, ...] | None = None  # given instead of text, already tokenized
+    token_ids: tuple[StrictInt, ...] | None = None  # given instead of text, already tokenized
     slot: str | None = None
     source: str | None = None  # PH only: read the materialization this agent made (a fan-out edge)
 
@@ -35,6 +59,10 @@ class Segment(BaseModel):
             raise ValueError(f"{self.kind.upper()} segment text is empty; a segment must have content")
         if self.token_ids is not None and len(self.token_ids) == 0:
             raise ValueError(f"{self.kind.upper()} segment has no token ids; a segment must have content")
+        if self.token_ids is not None:
+            bad = [t for t in self.token_ids if not 0 <= t <= MAX_TOKEN_ID]
+            if bad:
+                raise ValueError(f"token ids {bad[:3]} are outside [0, {MAX_TOKEN_ID}]; pass the model's token ids")
         if self.kind == "ph" and not self.slot:
             raise ValueError("a PH (shared) segment needs a slot name, e.g. 'query' or 'out:<agent>'")
         if self.kind == "pf" and (self.slot is not None or self.source is not None):
@@ -56,14 +84,20 @@ class Segment(BaseModel):
         return self.slot if self.kind == "ph" else "pf"
 
 
-class AgentCall(BaseModel):
+class AgentCall(_Validated):
     """One LLM call of one agent: `[PF_sys, PH_q, PF_glue, PH_out, ...]`."""
 
     model_config = ConfigDict(frozen=True)
 
     agent: str
     segments: tuple[Segment, ...]
-    session: str | None = None  # calls of one session share the approximate KV of their agents
+    session: str | None = None  # calls of one session share materializations and agents' outputs
+    tenant: str | None = None  # sessions of one tenant share anchors; None: the runtime's default tenant
+
+    @field_validator("session", "tenant")
+    @classmethod
+    def _scope_names(cls, value: str | None, info) -> str | None:
+        return _optional_name(value, info.field_name)
 
     @field_validator("agent")
     @classmethod
@@ -82,7 +116,7 @@ class AgentCall(BaseModel):
         return value
 
 
-class DispatchEvent(BaseModel):
+class DispatchEvent(_Validated):
     """An adapter's word that `agent` runs now (CacheScout's dispatch). The runtime checks it
     against the call it comes with, keeps it in `Runtime.events`, and the call's agent and
     session reach the eviction policy and the warm-up coordinator."""

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 
 from agentcache.fidelity import relative_error
+from agentcache.isolation import Scope
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 
 __all__ = ["CheckReport", "check_model", "ROPE_TOLERANCE"]
@@ -87,7 +88,7 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
         for agent, system in _PROBE_AGENTS.items():
             call = AgentCall(agent=agent, segments=(Segment.pf(system), Segment.ph("query", "Problem: " + query),
                                                     Segment.pf("\nAnswer:")))
-            source = reuse.corrector.store.find("query", engine.tokenize("Problem: " + query))
+            source = reuse.corrector.store.find(Scope(), "query", engine.tokenize("Problem: " + query))
             got = reuse.run(call, sampling)
             want = dense.run(call, sampling)
             seg = got.segments[1]

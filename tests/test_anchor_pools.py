@@ -7,7 +7,8 @@ import torch
 
 from agentcache.correction.anchors import OLDEST_WINDOW, AnchorBank, Correction
 from agentcache.correction.lowrank import factorize
-from agentcache.correction.store import SegmentStore
+from agentcache.correction.store import SegmentStore, common_prefix
+from agentcache.isolation import Scope
 from agentcache.engine.kv import SegmentKV
 
 
@@ -74,28 +75,31 @@ def _kv(tokens: int, start: int = 0) -> SegmentKV:
     return SegmentKV(torch.randn(2, 1, tokens, 4), torch.randn(2, 1, tokens, 4), start)
 
 
+S = Scope("tenant", "session")
+
+
 def test_store_finds_the_same_content_only():
     store = SegmentStore(byte_budget=2**30)
-    store.put("query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "dense")
-    store.put("query", "a1", [1, 2, 9, 9, 9, 9], _kv(6), "dense")  # another query with the same opening
-    entry, shared = store.find("query", [1, 2, 3, 4, 5, 6, 7])
+    store.put(S, "query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "dense")
+    store.put(S, "query", "a1", [1, 2, 9, 9, 9, 9], _kv(6), "dense")  # another query with the same opening
+    entry, shared = store.find(S, "query", [1, 2, 3, 4, 5, 6, 7])
     assert (entry.agent, shared) == ("a0", 6)
-    assert store.find("query", [1, 2, 7, 7, 7, 7, 7, 7]) is None  # 2 of 8 tokens: not the same content
-    assert store.find("other", [1, 2, 3, 4, 5, 6]) is None
-    assert store.find("query", [1, 2, 3, 4, 5, 6], agent="a1") is None
+    assert store.find(S, "query", [1, 2, 7, 7, 7, 7, 7, 7]) is None  # 2 of 8 tokens: not the same content
+    assert store.find(S, "other", [1, 2, 3, 4, 5, 6]) is None
+    assert store.find(S, "query", [1, 2, 3, 4, 5, 6], agent="a1") is None
 
 
 def test_store_keeps_the_newest_materialization_and_its_budget():
     one = _kv(6).nbytes
     store = SegmentStore(byte_budget=2 * one)
-    store.put("query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "dense")
-    store.put("query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "corrected")  # replaces a0's older one
-    assert len(store) == 1 and store.find("query", [1, 2, 3, 4, 5, 6])[0].how == "corrected"
-    store.put("out:a0", "a0", [7, 8, 9, 10, 11, 12], _kv(6), "decoded")
-    store.put("out:a1", "a1", [7, 8, 9, 10, 11, 13], _kv(6), "decoded")
+    store.put(S, "query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "dense")
+    store.put(S, "query", "a0", [1, 2, 3, 4, 5, 6], _kv(6), "corrected")  # replaces a0's older one
+    assert len(store) == 1 and store.find(S, "query", [1, 2, 3, 4, 5, 6])[0].how == "corrected"
+    store.put(S, "out:a0", "a0", [7, 8, 9, 10, 11, 12], _kv(6), "decoded")
+    store.put(S, "out:a1", "a1", [7, 8, 9, 10, 11, 13], _kv(6), "decoded")
     assert store.nbytes <= store.byte_budget and store.evicted == 1
-    assert store.find("query", [1, 2, 3, 4, 5, 6]) is None  # the least recently used went first
-    assert store.put("big", "a0", list(range(20)), _kv(20), "dense") is None
+    assert store.find(S, "query", [1, 2, 3, 4, 5, 6]) is None  # the least recently used went first
+    assert store.put(S, "big", "a0", list(range(20)), _kv(20), "dense") is None
     assert store.rejected_too_large == 1
 
 
@@ -104,3 +108,47 @@ def test_budgets_must_be_positive():
         AnchorBank(capacity=4, byte_budget=0)
     with pytest.raises(ValueError, match="budget"):
         SegmentStore(byte_budget=0)
+
+
+def _brute_force_find(entries, scope, slot, tokens, agent=None):
+    """What the store's lookup must return, by scanning every entry."""
+    needed, best = max(1, (len(tokens) + 1) // 2), None
+    for entry in entries:
+        if entry.scope != scope or entry.slot != slot or (agent is not None and entry.agent != agent):
+            continue
+        shared = common_prefix(entry.token_ids, tokens)
+        if shared >= needed and (best is None or (shared, entry.serial) > (best[1], best[0].serial)):
+            best = (entry, shared)
+    return best
+
+
+def test_store_index_finds_what_a_full_scan_finds():
+    import random
+
+    rng = random.Random(7)
+    store = SegmentStore(byte_budget=2**30)
+    scopes = [Scope(None, None), Scope(None, "s1"), Scope("t", "s1")]
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]  # a tiny alphabet: many shared prefixes
+        store.put(rng.choice(scopes), rng.choice(["query", "out:a"]), rng.choice(["a", "b"]), tokens,
+                  _kv(len(tokens)), "dense")
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        args = (rng.choice(scopes), rng.choice(["query", "out:a"]), tokens, rng.choice([None, "a"]))
+        want = _brute_force_find(list(store), *args)
+        got = store.find(*args)
+        assert (got[0].id, got[1]) == (want[0].id, want[1]) if want else got is None
+
+
+def test_store_keeps_scopes_apart_and_drops_corrupt_entries():
+    store = SegmentStore(byte_budget=2**30)
+    mine, other_session, other_tenant = Scope("t", "s"), Scope("t", "s2"), Scope("u", "s")
+    store.put(mine, "query", "a0", [1, 2, 3, 4], _kv(4), "dense")
+    assert store.find(other_session, "query", [1, 2, 3, 4]) is None
+    assert store.find(other_tenant, "query", [1, 2, 3, 4]) is None
+    assert store.find(mine, "query", [1, 2, 3, 4])[1] == 4
+    entry = store.put(mine, "query", "a1", [1, 2, 3, 5], _kv(4), "dense")
+    object.__setattr__(entry, "token_ids", None)  # corrupt it in place
+    assert store.find(mine, "query", [1, 2, 3, 5])[0].agent == "a0"  # the corrupt entry is skipped ...
+    assert store.dropped_corrupt == 1 and len(store) == 1  # ... and dropped
+    assert store.drop_scope(mine) == 1 and len(store) == 0 and store.nbytes == 0 and store.scopes == 0

@@ -78,7 +78,7 @@ def test_hash_hit_is_verified_against_stored_tokens(monkeypatch):
     pool = BlockPool(8, BS, "lru", LAYOUT)
     store_chain(pool, [1, 2, 3, 4])
     # Force a collision: every hash the same. A lookup of other tokens must still miss.
-    monkeypatch.setattr("agentcache.engine.blocks.block_hash", lambda parent, tokens, salt: b"same")
+    monkeypatch.setattr("agentcache.engine.blocks.block_hash", lambda parent, tokens, salt, namespace=None: b"same")
     pool2 = BlockPool(8, BS, "lru", LAYOUT)
     store_chain(pool2, [1, 2, 3, 4])
     assert pool2.match([9, 9, 9, 9]) == []
@@ -159,7 +159,7 @@ def test_a_referenced_child_pins_its_parent():
 
 
 def test_salt_is_verified_on_a_hash_hit(monkeypatch):
-    monkeypatch.setattr("agentcache.engine.blocks.block_hash", lambda parent, tokens, salt: b"same")
+    monkeypatch.setattr("agentcache.engine.blocks.block_hash", lambda parent, tokens, salt, namespace=None: b"same")
     pool = BlockPool(4, BS, "lru", LAYOUT)
     store_chain(pool, [1, 2, 3, 4], salt="planner")
     assert pool.match([1, 2, 3, 4]) == []  # the exact lookup must not take the salted block

@@ -11,6 +11,7 @@ from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine import SamplingParams
 from agentcache.errors import ContextLengthError, PlanError
 from agentcache.fidelity import kv_error
+from agentcache.isolation import Scope
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import CheckReport
@@ -104,7 +105,7 @@ def test_correcting_never_alters_the_source_cache(preset):
     assert [r.segments[1].decision for r in got] == ["first", "corrected", "corrected"]
     # The first agent's cache was the source of a correction and must still be its exact dense KV.
     assert kv_error(got[0].segment_kv[1], want[0].segment_kv[1]) < 1e-6
-    source = rt.corrector.store.find("query", rt.engine.tokenize(query), agent="planner")[0]
+    source = rt.corrector.store.find(Scope(), "query", rt.engine.tokenize(query), agent="planner")[0]
     assert torch.equal(source.kv.values, got[0].segment_kv[1].values)
 
 
@@ -190,13 +191,19 @@ def test_own_lineage_prefix_hit_on_a_second_turn():
     again = rt.run(role_call("local", query), ONE)  # local's own corrected blocks are its context
     prompt = len(again.prompt_ids)
     assert again.cached_tokens == (prompt - 1) // rt.engine.block_size * rt.engine.block_size
-    assert again.segments[1].decision == "prefix_hit" and again.segments[1].cached_tokens == again.segments[1].length
+    # Its query was corrected: served from its own approximate blocks, never reported as an exact hit.
+    query_seg = again.segments[1]
+    assert query_seg.decision == "own_lineage_hit" and query_seg.cached_tokens == query_seg.length
+    assert 0 < again.lineage_tokens <= again.cached_tokens and query_seg.lineage_tokens > 0
+    figures = rt.summary()
+    assert figures["own_lineage_tokens"] >= again.lineage_tokens
+    assert figures["cached_tokens"] == sum(r.cached_tokens - r.lineage_tokens for r in rt.results)
 
 
 def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
     rt, dense = runtime("kvcmas"), runtime("nonshared")
     warm(rt)
-    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
     with torch.inference_mode():  # anchors are built under inference mode
         for corr in anchor.corrections.values():
             corr.values.a.fill_(float("nan"))
@@ -212,7 +219,7 @@ def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
 def test_mismatched_anchor_shape_falls_back():
     rt = runtime("kvcmas")
     warm(rt)
-    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
     anchor.keys = type(anchor.keys)(anchor.keys.a[:-1], anchor.keys.b[:-1])  # one layer short
     result = chain(rt, text_of_length(rt.engine, 40, seed=22))
     reasons = {s.reason for r in result for s in r.segments if s.reason}
@@ -222,11 +229,11 @@ def test_mismatched_anchor_shape_falls_back():
 def test_mis_ranked_anchor_falls_back_instead_of_crashing():
     rt = runtime("kvcmas")
     warm(rt)
-    anchor = next(iter(rt.corrector.bank.pool("query").anchors.values()))
+    anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
     anchor.values = type(anchor.values)(anchor.values.a, anchor.values.b[:, :-1])  # b has one rank row fewer
     results = chain(rt, text_of_length(rt.engine, 40, seed=23))
     assert "bad_anchor" in {s.reason for r in results for s in r.segments}
-    assert anchor.source_id not in rt.corrector.bank.pool("query").anchors
+    assert anchor.source_id not in rt.corrector.bank.pool((None, "query")).anchors
 
 
 def test_corrected_blocks_stay_in_their_lineage():
@@ -301,7 +308,7 @@ def test_corrupted_source_cache_is_removed_and_prefilled():
     want = dense.run(role_call("critic", query), ONE)
     assert (got.segments[1].decision, got.segments[1].reason) == ("fallback", "bad_source")
     assert got.reused_tokens == 0 and got.token_ids == want.token_ids
-    newest, _ = rt.corrector.store.find("query", rt.engine.tokenize(query))
+    newest, _ = rt.corrector.store.find(Scope(), "query", rt.engine.tokenize(query))
     assert newest.agent == "critic" and newest.how == "dense"  # the bad source is gone, the dense copy replaces it
     assert torch.isfinite(newest.kv.values).all()
 
@@ -336,7 +343,7 @@ def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():
     with pytest.raises(TypeError, match="AgentCall"):
         rt.run("not a call")
     with pytest.raises(PlanError, match="no output"):
-        rt.output_segment("ghost")
+        rt.output_segment("ghost", session=None)
     with pytest.raises(ContextLengthError):
         rt.run(AgentCall(agent="planner", segments=(Segment.ph("query", "x" * (rt.engine.max_context + 1)),)), ONE)
     assert chain(rt, text_of_length(rt.engine, 20))[0].text is not None

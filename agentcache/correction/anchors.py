@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Hashable
 
 from agentcache.correction.lowrank import Factors
 
@@ -42,6 +43,7 @@ class Anchor:
     corrections: dict[str, Correction] = field(default_factory=dict)  # consumer agent -> Δ
     serial: int = 0  # insertion order
     uses: int = 0
+    counted_bytes: int = 0  # what its bank counted for it (kept apart: a corrupt anchor cannot say)
 
     @property
     def length(self) -> int:
@@ -97,14 +99,16 @@ class AnchorPool:
 
 
 class AnchorBank:
-    """One pool per slot, all within `byte_budget` bytes; counts what it inserted and evicted."""
+    """One pool per key (a tenant's slot), all within `byte_budget` bytes; counts what it inserted and
+    evicted. Empty pools are dropped, so the bank holds only what its anchors need."""
 
     def __init__(self, capacity: int, byte_budget: int) -> None:
         if byte_budget < 1:
             raise ValueError(f"anchor byte budget must be positive, got {byte_budget}")
         self.capacity = capacity
         self.byte_budget = byte_budget
-        self.pools: dict[str, AnchorPool] = {}
+        self.pools: dict[Hashable, AnchorPool] = {}
+        self._nbytes = 0  # kept as anchors come and go: budget checks never walk the pools
         self._serial = itertools.count()
         self.inserted = 0
         self.evicted = 0
@@ -113,18 +117,27 @@ class AnchorBank:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pools.values())
+        return self._nbytes
 
     @property
     def num_anchors(self) -> int:
         return sum(len(p) for p in self.pools.values())
 
-    def pool(self, slot: str) -> AnchorPool:
-        if slot not in self.pools:
-            self.pools[slot] = AnchorPool(slot, self.capacity)
-        return self.pools[slot]
+    def pool(self, key: Hashable) -> AnchorPool:
+        """The pool of `key` (created empty on first use; dropped again once empty)."""
+        if key not in self.pools:
+            self.pools[key] = AnchorPool(key, self.capacity)
+        return self.pools[key]
 
-    def add(self, slot: str, source_id: str, source: str, keys: Factors, values: Factors,
+    def candidates(self, key: Hashable, source: str, consumer: str) -> list[Anchor]:
+        pool = self.pools.get(key)
+        return pool.candidates(source, consumer) if pool is not None else []
+
+    def anchor(self, key: Hashable, source_id: str) -> Anchor | None:
+        pool = self.pools.get(key)
+        return pool.anchors.get(source_id) if pool is not None else None
+
+    def add(self, slot: Hashable, source_id: str, source: str, keys: Factors, values: Factors,
             consumer: str, correction: Correction) -> bool:
         """Record `correction` for `consumer` on the anchor of this source cache, creating the anchor
         when the pool has none for it. Evicts to stay within capacity and budget; False if it cannot fit."""
@@ -133,6 +146,7 @@ class AnchorBank:
         added = correction.nbytes if anchor is not None else keys.nbytes + values.nbytes + correction.nbytes
         if added > self.byte_budget:
             self.rejected_too_large += 1
+            self._drop_if_empty(pool)
             log.info("anchor for slot %r (%d bytes) exceeds the whole anchor budget (%d); not kept",
                      slot, added, self.byte_budget)
             return False
@@ -142,18 +156,36 @@ class AnchorBank:
             anchor = Anchor(source_id, source, keys, values, serial=next(self._serial))
             pool.anchors[source_id] = anchor
             self.inserted += 1
+        replaced = anchor.corrections.get(consumer)
         anchor.corrections[consumer] = correction
+        change = added - (replaced.nbytes if replaced is not None else 0)
+        anchor.counted_bytes += change
+        self._nbytes += change
         self._fit_budget(keep=anchor)
-        return source_id in pool.anchors
+        kept = source_id in pool.anchors
+        self._drop_if_empty(pool)
+        return kept
 
-    def drop(self, slot: str, anchor: Anchor) -> None:
+    def drop(self, key: Hashable, anchor: Anchor) -> None:
         """Remove an anchor found corrupted."""
-        if self.pools.get(slot) and self.pools[slot].remove(anchor.source_id) is not None:
+        pool = self.pools.get(key)
+        if pool is not None and self._take(pool, anchor) is not None:
             self.dropped_invalid += 1
+            self._drop_if_empty(pool)
 
     def _evict(self, pool: AnchorPool, anchor: Anchor | None) -> None:
-        if anchor is not None and pool.remove(anchor.source_id) is not None:
+        if anchor is not None and self._take(pool, anchor) is not None:
             self.evicted += 1
+
+    def _take(self, pool: AnchorPool, anchor: Anchor) -> Anchor | None:
+        removed = pool.remove(anchor.source_id)
+        if removed is not None:
+            self._nbytes -= removed.counted_bytes
+        return removed
+
+    def _drop_if_empty(self, pool: AnchorPool) -> None:
+        if not pool.anchors and self.pools.get(pool.slot) is pool:
+            del self.pools[pool.slot]
 
     def _fit_budget(self, keep: Anchor) -> None:
         """Evict (LFU among the oldest, from the pool holding the most bytes) until within budget."""
@@ -167,4 +199,8 @@ class AnchorBank:
             else:  # only `keep` is left and it is over budget on its own
                 for pool in pools:
                     self._evict(pool, pool.anchors.get(keep.source_id))
+                    self._drop_if_empty(pool)
                 return
+        for pool in [p for p in self.pools.values() if not p.anchors]:
+            self._drop_if_empty(pool)
+

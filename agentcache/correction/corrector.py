@@ -4,8 +4,12 @@ Before a call, `plan` looks up the segment's source cache, re-aligns it to canon
 and either hands back KV to inject (corrected, or raw for FullShared) or asks for dense prefill.
 After the call, `commit` records what the segment became (the source of the next edge) and,
 after a dense fallback, inserts the observed correction Δ = C_dense − Align(C_source) as an
-anchor. Any fault (corrupt anchor or source, NaN, missing source) falls back to dense and is
-counted; a corrupt anchor or source is removed so that it stops poisoning later calls.
+anchor. Any fault (any exception while planning, a corrupt anchor or source, NaN) falls back to
+dense and is counted in `faults`; a corrupt anchor or source is removed so that it stops poisoning
+later calls. A fault while building an anchor after the call loses only that anchor.
+
+Sources are looked up in the caller's scope (its tenant's session) only; anchor pools are per
+tenant and slot, shared by the tenant's sessions.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.errors import AgentCacheError
+from agentcache.isolation import Scope
 
 __all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
 
@@ -47,7 +52,6 @@ class PHDecision:
     inject: SegmentKV | None = None  # canonical positions (start 0); the engine re-aligns it
     entropy: float | None = None
     anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
-    prefix_exact: bool = True  # whether tokens the call's prefix hit served came from exact blocks (set by the runtime)
     plan_s: float = 0.0  # time spent planning (inside TTFT)
 
     @property
@@ -61,37 +65,48 @@ class Corrector:
         self.strategy = strategy
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
-        self.fallbacks: Counter[str] = Counter()  # why they fell back, and other faults
+        self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
         self.anchor_build_s = 0.0
+
+    def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
+        """Count and log one fault (`kind` is what summary()["faults"] reports)."""
+        self.faults[kind] += 1
+        log.warning("%s: %s%s", kind, what, f" ({type(exc).__name__}: {exc})" if exc is not None else "")
 
     # --- before the call -------------------------------------------------------------------
 
-    def plan(self, agent: str, slot: str, token_ids: Sequence[int], source: str | None = None) -> PHDecision:
+    def plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
+             source: str | None = None) -> PHDecision:
         """How `agent` should materialize this PH segment; `source` pins the edge's source agent."""
         started = time.perf_counter()
         try:
-            decision = self._plan(agent, slot, token_ids, source)
-        except (AgentCacheError, RuntimeError) as exc:  # never serve a cache a fault touched: prefill
-            log.warning("slot %r for agent %r: %s; prefilling densely", slot, agent, exc)
+            decision = self._plan(scope, agent, slot, token_ids, source)
+        except Exception as exc:  # noqa: BLE001 - never serve a cache a fault touched: prefill
+            self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
         decision.plan_s = time.perf_counter() - started
         return decision
 
-    def _plan(self, agent: str, slot: str, token_ids: Sequence[int], source_agent: str | None) -> PHDecision:
+    def _plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
+              source_agent: str | None) -> PHDecision:
         if not self.strategy.reuse:
             return PHDecision("off")
-        found = self._source(slot, token_ids, source_agent)
+        found = self._source(scope, slot, token_ids, source_agent)
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
-        if not self.engine.supports_realignment:
-            return PHDecision("fallback", reason="not_realignable", source=source)
-        if not self._source_is_sound(source):
-            return PHDecision("fallback", reason="bad_source")
-        aligned = self.engine.realign(source.kv.slice(0, shared), 0)
-        if not self.strategy.correct:
-            return PHDecision("reused", source=source, covered=shared, inject=aligned)
-        return self._correct(agent, slot, source, aligned)
+        try:
+            if not self.engine.supports_realignment:
+                return PHDecision("fallback", reason="not_realignable", source=source)
+            if not self._source_is_sound(source):
+                return PHDecision("fallback", reason="bad_source")
+            aligned = self.engine.realign(source.kv.slice(0, shared), 0)
+            if not self.strategy.correct:
+                return PHDecision("reused", source=source, covered=shared, inject=aligned)
+            return self._correct(scope, agent, slot, source, aligned)
+        except Exception:
+            self.store.remove(source.id)  # whatever broke, this source is not used again
+            raise
 
     def _source_is_sound(self, source: Materialization) -> bool:
         """The stored KV fits the model and is finite; otherwise it is removed from the store."""
@@ -102,22 +117,25 @@ class Corrector:
         except AgentCacheError:
             sound = False
         if not sound:
+            self.faults["bad_source"] += 1
+        if not sound:
             log.warning("removing source cache %s of slot %r: wrong shape or NaN/Inf", source.id, source.slot)
             self.store.remove(source.id)
         return sound
 
-    def _source(self, slot: str, token_ids: Sequence[int], agent: str | None) -> tuple[Materialization, int] | None:
+    def _source(self, scope: Scope, slot: str, token_ids: Sequence[int],
+                agent: str | None) -> tuple[Materialization, int] | None:
         if self.strategy.chained:
-            return self.store.find(slot, token_ids, agent=agent)
+            return self.store.find(scope, slot, token_ids, agent=agent)
         if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
-            return self.store.find(slot, token_ids, agent=slot[4:])
-        found = self.store.find(slot, token_ids, agent=REFERENCE)
+            return self.store.find(scope, slot, token_ids, agent=slot[4:])
+        found = self.store.find(scope, slot, token_ids, agent=REFERENCE)
         if found is None or found[1] < len(token_ids):
-            entry = self._reference_prefill(slot, token_ids)
+            entry = self._reference_prefill(scope, slot, token_ids)
             found = (entry, len(token_ids)) if entry is not None else found
         return found
 
-    def _reference_prefill(self, slot: str, token_ids: Sequence[int]) -> Materialization | None:
+    def _reference_prefill(self, scope: Scope, slot: str, token_ids: Sequence[int]) -> Materialization | None:
         """Prefill the segment after BOS and a neutral lead-in, outside the workflow (non-chained)."""
         lead = self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
         request = ExecRequest(
@@ -125,17 +143,18 @@ class Corrector:
             SamplingParams(max_tokens=1), owner=REFERENCE, warmup=True,  # internal: no agent dispatch, no hit
         )
         result = self.engine.execute(request)
-        return self.store.put(slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
+        return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
 
-    def _correct(self, agent: str, slot: str, source: Materialization, aligned: SegmentKV) -> PHDecision:
+    def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV) -> PHDecision:
         layout = self.engine.layout
         features = layout.num_kv_heads * layout.head_dim
-        candidates = self.bank.pool(slot).candidates(source.agent, agent)
+        pool_key = (scope.tenant, slot)
+        candidates = self.bank.candidates(pool_key, source.agent, agent)
         for anchor in candidates:
             if not anchor.fits(layout.num_layers, features):
-                log.warning("dropping anchor %s of slot %r: its shapes do not fit %s", anchor.source_id, slot,
-                            self.engine.model_name)
-                self.bank.drop(slot, anchor)
+                self.fault("bad_anchor", f"dropping anchor {anchor.source_id} of slot {slot!r}: its shapes do not "
+                           f"fit {self.engine.model_name}")
+                self.bank.drop(pool_key, anchor)
                 return PHDecision("fallback", reason="bad_anchor", source=source)
         length = aligned.length
         if self.strategy.max_anchors == 1 and len(candidates) == 1:  # V = 1: the sole anchor, no gate
@@ -149,7 +168,7 @@ class Corrector:
             values = as_rows(aligned.values[:, :, :k]).float()  # (L, k, F)
             distances = gate_distances(values, [a.values for a in compatible], k)
             if not bool(torch.isfinite(distances).all()):
-                self._drop_non_finite(slot, compatible)
+                self._drop_non_finite(pool_key, compatible)
                 return PHDecision("fallback", reason="nonfinite", source=source)
             entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature))
             if not entropy <= self.strategy.tau:
@@ -167,65 +186,71 @@ class Corrector:
             rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
         if not all(bool(torch.isfinite(t).all()) for t in corrected):
-            self._drop_non_finite(slot, compatible)
+            self._drop_non_finite(pool_key, compatible)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
         return PHDecision("corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
                           entropy=entropy, anchors=compatible)
 
-    def _drop_non_finite(self, slot: str, anchors: list[Anchor]) -> None:
+    def _drop_non_finite(self, pool_key: tuple, anchors: list[Anchor]) -> None:
+        self.faults["nonfinite"] += 1
         for anchor in anchors:
             if not anchor.is_finite():
-                log.warning("dropping anchor %s of slot %r: it holds NaN or Inf", anchor.source_id, slot)
-                self.bank.drop(slot, anchor)
+                log.warning("dropping anchor %s of slot %r: it holds NaN or Inf", anchor.source_id, pool_key[1])
+                self.bank.drop(pool_key, anchor)
 
     # --- after the call --------------------------------------------------------------------
 
-    def commit(self, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
-               kv: SegmentKV | None, how: str) -> None:
-        """Record what the segment became in the call (`how`), with its KV `kv`."""
-        if decision.reason:
-            self.fallbacks[decision.reason] += 1
+    def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
+               kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True) -> None:
+        """Record what the segment became in the call (`how`), with its KV `kv`: the next edge's source
+        and, after a dense fallback, a new anchor. The anchor is built before anything is changed, so a
+        fault while building it loses only the anchor. `own_tokens_exact`: none of the segment's tokens
+        came from the lineage's approximate blocks."""
         if kv is None or not self.strategy.reuse:
             return
-        for anchor in decision.anchors if decision.reused else ():
-            anchor.uses += 1
-        if self.strategy.chained:
-            self.store.put(slot, agent, token_ids, kv, how)
+        anchor = None
         # Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
         # when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
         if (decision.decision == "fallback" and decision.source is not None and self.strategy.correct
-                and decision.prefix_exact):
+                and own_tokens_exact):
             try:
-                self._insert_anchor(agent, slot, decision.source, token_ids, kv)
-            except (AgentCacheError, RuntimeError) as exc:
-                log.warning("no anchor from agent %r's fallback on slot %r: %s", agent, slot, exc)
-                self.fallbacks["anchor_build_error"] += 1
+                anchor = self._build_anchor(agent, decision.source, token_ids, kv)
+            except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
+                self.fault("anchor_build_error", f"no anchor from agent {agent!r}'s fallback on slot {slot!r}", exc)
+        for used in decision.anchors if decision.reused else ():
+            used.uses += 1
+        if self.strategy.chained:
+            self.store.put(scope, slot, agent, token_ids, kv, how)
+        if anchor is not None:
+            self.bank.add((scope.tenant, slot), *anchor)
 
-    def record_output(self, agent: str, token_ids: Sequence[int], kv: SegmentKV | None) -> None:
+    def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None) -> None:
         """An agent's decoded output becomes the source of its `out:<agent>` slot."""
         if kv is not None and token_ids and self.strategy.reuse:
-            self.store.put(f"out:{agent}", agent, token_ids, kv, "decoded")
+            self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded")
 
-    def _insert_anchor(self, agent: str, slot: str, source: Materialization,
-                       token_ids: Sequence[int], dense: SegmentKV) -> None:
+    def _build_anchor(self, agent: str, source: Materialization, token_ids: Sequence[int],
+                      dense: SegmentKV) -> tuple | None:
+        """The arguments of `AnchorBank.add` for the correction this fallback observed (without the
+        pool key), or None when there is nothing to learn. Changes nothing."""
         started = time.perf_counter()
         shared = common_prefix(source.token_ids, token_ids)
-        existing = self.bank.pool(slot).anchors.get(source.id)
+        existing = self.bank.anchor((source.scope.tenant, source.slot), source.id)
         if shared == 0 or (existing is not None and existing.length != shared):
-            return  # an anchor's corrections all cover its base's tokens
+            return None  # an anchor's corrections all cover its base's tokens
         aligned = self.engine.realign(source.kv.slice(0, shared), 0)
         target = self.engine.realign(dense.slice(0, shared), 0)
         src_k, src_v = as_rows(aligned.keys).float(), as_rows(aligned.values).float()  # (L, S, F)
         tgt_k, tgt_v = as_rows(target.keys).float(), as_rows(target.values).float()
         delta_k, delta_v = tgt_k[1:] - src_k[1:], tgt_v[1:] - src_v[1:]  # (L-1, S, F)
         if not (torch.isfinite(delta_k).all() and torch.isfinite(delta_v).all()):
-            self.fallbacks["nonfinite_delta"] += 1
-            return
+            self.fault("nonfinite_delta", f"the observed correction of slot {source.slot!r} holds NaN or Inf")
+            return None
         s = self.strategy
         if existing is not None:
             base_k, base_v = existing.keys, existing.values
         else:
             base_k, base_v = factorize(src_k, s.base_rank), factorize(src_v, s.base_rank)
         correction = Correction(factorize(delta_k, s.delta_rank), factorize(delta_v, s.delta_rank))
-        self.bank.add(slot, source.id, source.agent, base_k, base_v, agent, correction)
         self.anchor_build_s += time.perf_counter() - started
+        return source.id, source.agent, base_k, base_v, agent, correction

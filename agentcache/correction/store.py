@@ -1,26 +1,37 @@
 """The store of materialized shared-segment caches: the sources of the next workflow edges.
 
 It keeps each agent's latest materialization (dense, corrected, or decoded) of each slot's
-content: the newest overall is the next hop of a chain, an agent's own is the source of a
-fan-out edge from that agent. Bounded by a byte budget over all entries: least recently
-used entries go first.
+content, per scope (a tenant's session): the newest overall is the next hop of a chain, an
+agent's own is the source of a fan-out edge from that agent. A materialization attended to its
+session's private context, so it is found only from the same scope. Bounded by a byte budget over
+all entries: least recently used entries go first.
+
+Lookups do not scan the store. A match must share at least half of the looked-up segment's tokens
+as a prefix, so every entry is indexed under its first k tokens for k = 1, 2, 4, 8, ...; a lookup
+reads the one bucket of the largest such k within that half, which holds only entries that open
+with the same k tokens.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from agentcache.engine.kv import SegmentKV
+from agentcache.isolation import Scope
 
-__all__ = ["Materialization", "SegmentStore"]
+__all__ = ["Materialization", "SegmentStore", "common_prefix"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Materialization:
     id: str
+    scope: Scope  # the tenant's session it was made in; only that scope may read it
     slot: str
     agent: str  # who materialized it ("<reference>" for a context-free reference prefill)
     token_ids: tuple[int, ...]
@@ -33,6 +44,13 @@ class Materialization:
         return self.kv.nbytes
 
 
+@dataclass(frozen=True)
+class _Indexed:
+    content_key: tuple  # (scope, slot, agent, tokens)
+    bucket_keys: list[tuple]  # (scope, slot, first k tokens) for k = 1, 2, 4, ...
+    nbytes: int
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -42,15 +60,34 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _needed(length: int) -> int:
+    """Tokens a materialization must share with a segment of `length` tokens to be its content."""
+    return max(1, (length + 1) // 2)
+
+
+def _key_lengths(length: int) -> Iterator[int]:
+    """1, 2, 4, ... up to `length`: the prefixes an entry is indexed under."""
+    k = 1
+    while k <= length:
+        yield k
+        k *= 2
+
+
 class SegmentStore:
     def __init__(self, byte_budget: int) -> None:
         if byte_budget < 1:
             raise ValueError(f"segment store byte budget must be positive, got {byte_budget}")
         self.byte_budget = byte_budget
         self._entries: OrderedDict[str, Materialization] = OrderedDict()  # id -> entry, LRU first
+        self._buckets: dict[tuple, dict[str, Materialization]] = {}  # (scope, slot, prefix) -> id -> entry
+        self._by_content: dict[tuple, str] = {}  # (scope, slot, agent, tokens) -> id
+        self._by_scope: dict[Scope, set[str]] = {}
+        self._indexed: dict[str, _Indexed] = {}  # id -> where it is indexed, as computed when it was put
         self._ids = itertools.count()
+        self._nbytes = 0
         self.evicted = 0
         self.rejected_too_large = 0
+        self.dropped_corrupt = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,39 +97,62 @@ class SegmentStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes
 
-    def put(self, slot: str, agent: str, token_ids: Sequence[int], kv: SegmentKV, how: str) -> Materialization | None:
+    @property
+    def scopes(self) -> int:
+        return len(self._by_scope)
+
+    def put(self, scope: Scope, slot: str, agent: str, token_ids: Sequence[int], kv: SegmentKV,
+            how: str) -> Materialization | None:
         """Keep a materialization; None when it alone is larger than the whole budget."""
         serial = next(self._ids)
-        entry = Materialization(f"{slot}#{serial}", slot, agent, tuple(token_ids), kv, how, serial)
+        entry = Materialization(f"{slot}#{serial}", scope, slot, agent, tuple(token_ids), kv, how, serial)
         if entry.nbytes > self.byte_budget:
             self.rejected_too_large += 1
             return None
-        # An agent's newest materialization of the same content replaces its older ones.
-        for old in [e.id for e in self._entries.values()
-                    if e.slot == slot and e.agent == agent and e.token_ids == entry.token_ids]:
-            del self._entries[old]
+        old = self._by_content.get((scope, slot, agent, entry.token_ids))
+        if old is not None:  # an agent's newest materialization of the same content replaces the older
+            self.remove(old)
+        indexed = _Indexed((scope, slot, agent, entry.token_ids),
+                           [(scope, slot, entry.token_ids[:k]) for k in _key_lengths(len(entry.token_ids))],
+                           entry.nbytes)
         self._entries[entry.id] = entry
-        while self.nbytes > self.byte_budget:
-            self._entries.popitem(last=False)
+        self._indexed[entry.id] = indexed
+        self._nbytes += indexed.nbytes
+        self._by_content[indexed.content_key] = entry.id
+        self._by_scope.setdefault(scope, set()).add(entry.id)
+        for key in indexed.bucket_keys:
+            self._buckets.setdefault(key, {})[entry.id] = entry
+        while self._nbytes > self.byte_budget:
+            self.remove(next(iter(self._entries)))
             self.evicted += 1
         return entry
 
-    def find(self, slot: str, token_ids: Sequence[int], agent: str | None = None) -> tuple[Materialization, int] | None:
-        """The newest materialization (by when it was made) of `slot` sharing the longest token prefix with `token_ids`
-        (optionally only `agent`'s), and that prefix length.
+    def find(self, scope: Scope, slot: str, token_ids: Sequence[int],
+             agent: str | None = None) -> tuple[Materialization, int] | None:
+        """The newest materialization (by when it was made) of `slot` in `scope` sharing the longest
+        token prefix with `token_ids` (optionally only `agent`'s), and that prefix length.
 
         Only the same content counts: the shared prefix must cover at least half of the segment
         (an agent output re-tokenized from its text may differ from the generated ids near the
         end; two different queries that open with the same template words are not the same).
+        An entry that cannot be compared (corrupt) is dropped and counted.
         """
+        needed = _needed(len(token_ids))
+        k = 1 << (needed.bit_length() - 1)  # the largest power of two <= needed
+        bucket = self._buckets.get((scope, slot, tuple(token_ids[:k])), {})
         best: tuple[Materialization, int] | None = None
-        needed = max(1, (len(token_ids) + 1) // 2)
-        for entry in self._entries.values():
-            if entry.slot != slot or (agent is not None and entry.agent != agent):
+        for entry in list(bucket.values()):
+            if agent is not None and entry.agent != agent:
                 continue
-            shared = common_prefix(entry.token_ids, token_ids)
+            try:
+                shared = common_prefix(entry.token_ids, token_ids)
+            except Exception as exc:  # noqa: BLE001 - any corruption: drop the entry, never fail the call
+                log.warning("dropping corrupt source cache %s: %s", entry.id, exc)
+                self.remove(entry.id)
+                self.dropped_corrupt += 1
+                continue
             if shared >= needed and (best is None or (shared, entry.serial) > (best[1], best[0].serial)):
                 best = (entry, shared)
         if best is not None:
@@ -100,4 +160,27 @@ class SegmentStore:
         return best
 
     def remove(self, entry_id: str) -> None:
-        self._entries.pop(entry_id, None)
+        """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt)."""
+        if self._entries.pop(entry_id, None) is None:
+            return
+        indexed = self._indexed.pop(entry_id)
+        self._nbytes -= indexed.nbytes
+        if self._by_content.get(indexed.content_key) == entry_id:
+            del self._by_content[indexed.content_key]
+        scope = indexed.content_key[0]
+        ids = self._by_scope[scope]
+        ids.discard(entry_id)
+        if not ids:
+            del self._by_scope[scope]
+        for key in indexed.bucket_keys:
+            bucket = self._buckets[key]
+            bucket.pop(entry_id, None)
+            if not bucket:
+                del self._buckets[key]
+
+    def drop_scope(self, scope: Scope) -> int:
+        """Forget every materialization of `scope` (a session the runtime no longer keeps)."""
+        ids = list(self._by_scope.get(scope, ()))
+        for entry_id in ids:
+            self.remove(entry_id)
+        return len(ids)

@@ -2,9 +2,10 @@
 
 A block holds the KV of `block_size` consecutive tokens. Its hash chains the parent's hash, its
 own token ids and a salt; a hash hit is trusted only after the stored tokens and parent match.
-Exact KV is stored unsalted. KV that is approximate (a corrected or reused segment, or anything
-computed after one) is stored under the salt of its lineage, so it can serve that lineage's own
-later calls but never another request's exact prefix lookup.
+Exact KV is stored under its namespace (None: shared by every caller; a tenant's salt: that
+tenant's only). KV that is approximate (a corrected or reused segment, or anything computed after
+one) is stored under the salt of its lineage, so it can serve that lineage's own later calls but
+never another request's exact prefix lookup.
 
 The pool can run without tensors (`layout=None`) to replay traces through the same bookkeeping.
 """
@@ -28,10 +29,14 @@ __all__ = ["Block", "BlockCollision", "BlockPool", "PoolStats", "block_hash"]
 _ROOT = b"agentcache-root"
 
 
-def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
-    """Hash of a block from its parent's hash, its tokens and its salt (None for exact KV)."""
+def block_hash(
+    parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None, namespace: str | None = None
+) -> bytes:
+    """Hash of a block from its parent's hash, its tokens, its lineage salt (None for exact KV) and
+    the namespace of exact KV (None: shared)."""
     digest = hashlib.blake2b(parent_hash or _ROOT, digest_size=16)
-    digest.update(b"\x00" if salt is None else b"\x01" + salt.encode() + b"\x00")
+    for tag in (salt, namespace):
+        digest.update(b"\x00" if tag is None else b"\x01" + str(len(tag)).encode() + b":" + tag.encode())
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -48,13 +53,14 @@ class Block:
     block_hash: bytes
     token_ids: tuple[int, ...]
     parent: "Block | None"
-    salt: str | None
+    salt: str | None  # the lineage of approximate KV; None: exact
     owner: str | None  # who stored it (an agent name), for agent-aware policies
     created: int
     last_access: int
     hits: int = 0
     ref_count: int = 0
     num_children: int = 0
+    namespace: str | None = None  # exact KV only: whose it is (a tenant's salt); None: shared
 
     @property
     def exact(self) -> bool:
@@ -101,7 +107,8 @@ class BlockPool:
         self.policy.attach(self.capacity, self.block_size)
         self._blocks: dict[int, Block] = {}
         self._index: dict[bytes, Block] = {}
-        self._free_ids = list(range(self.capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._recycled: list[int] = []  # ids freed by eviction; fresh ids come from _next_fresh
+        self._next_fresh = 0  # ids are handed out lazily: a huge capacity costs nothing up front
         self._clock = 0
         self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
@@ -120,7 +127,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free_ids)
+        return self.capacity - len(self._blocks)
 
     @property
     def num_evictable(self) -> int:
@@ -142,21 +149,23 @@ class BlockPool:
     def get(self, block_hash_: bytes) -> Block | None:
         return self._index.get(block_hash_)
 
-    def match(self, token_ids: Sequence[int], salt: str | None = None) -> list[Block]:
+    def match(self, token_ids: Sequence[int], salt: str | None = None, namespace: str | None = None) -> list[Block]:
         """The longest chain of cached full blocks that prefixes `token_ids`.
 
-        Each block is looked up exact first, then under `salt` (the caller's lineage). Nothing
-        is touched or referenced: call `acquire` on what you use.
+        Each block is looked up exact (in `namespace`) first, then under `salt` (the caller's
+        lineage). Nothing is touched or referenced: call `acquire` on what you use.
         """
         chain: list[Block] = []
         parent: Block | None = None
         bs = self.block_size
+        keys = [(None, namespace)] + ([(salt, None)] if salt is not None else [])
         for i in range(len(token_ids) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             found = None
-            for candidate_salt in (None, salt) if salt is not None else (None,):
-                block = self._index.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt))
-                if self._verified(block, tokens, parent, candidate_salt):
+            for candidate_salt, candidate_space in keys:
+                block = self._index.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt,
+                                                   candidate_space))
+                if self._verified(block, tokens, parent, candidate_salt, candidate_space):
                     found = block
                     break
             if found is None:
@@ -166,9 +175,12 @@ class BlockPool:
         return chain
 
     @staticmethod
-    def _verified(block: Block | None, tokens: tuple[int, ...], parent: Block | None, salt: str | None) -> bool:
-        """A hash hit is trusted only if the stored tokens, parent and salt match too."""
-        return block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
+    def _verified(
+        block: Block | None, tokens: tuple[int, ...], parent: Block | None, salt: str | None, namespace: str | None
+    ) -> bool:
+        """A hash hit is trusted only if the stored tokens, parent, salt and namespace match too."""
+        return (block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
+                and block.namespace == namespace)
 
     # --- requests and reference counting ----------------------------------------------------
 
@@ -229,10 +241,12 @@ class BlockPool:
         values: torch.Tensor | None = None,
         *,
         salt: str | None = None,
+        namespace: str | None = None,
         owner: str | None = None,
     ) -> Block:
         """Cache one full block after `parent` and return it acquired (the caller releases it).
 
+        `salt` marks approximate KV of that lineage; exact KV (no salt) lives in `namespace`.
         keys/values: (L, H, B, D). An identical block already cached is returned instead.
         Raises CapacityError when the pool is full and nothing can be evicted, BlockCollision
         when another block already holds this hash.
@@ -242,9 +256,11 @@ class BlockPool:
             raise ValueError(f"a block holds exactly {self.block_size} tokens, got {len(tokens)}")
         if parent is not None and self._index.get(parent.block_hash) is not parent:
             raise ValueError(f"parent block {parent.block_id} is no longer cached")
-        key = block_hash(parent.block_hash if parent else None, tokens, salt)
+        if salt is not None:
+            namespace = None  # a lineage salt already names its tenant
+        key = block_hash(parent.block_hash if parent else None, tokens, salt, namespace)
         existing = self._index.get(key)
-        if self._verified(existing, tokens, parent, salt):
+        if self._verified(existing, tokens, parent, salt, namespace):
             self.acquire([existing], hit=False)
             return existing
         if existing is not None:
@@ -260,7 +276,8 @@ class BlockPool:
             self.key_storage[block_id] = keys
             self.value_storage[block_id] = values
         now = self._tick()
-        block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, ref_count=1)
+        block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, ref_count=1,
+                      namespace=namespace)
         self._blocks[block_id] = block
         self._index[key] = block
         if parent is not None:
@@ -272,9 +289,12 @@ class BlockPool:
     # --- eviction -------------------------------------------------------------------------------
 
     def _allocate_id(self) -> int:
-        if not self._free_ids:
+        if self.num_free == 0:
             self.evict(1)
-        return self._free_ids.pop()
+        if self._recycled:
+            return self._recycled.pop()
+        self._next_fresh += 1
+        return self._next_fresh - 1
 
     def reserve(self, num_blocks: int) -> int:
         """Free room for `num_blocks` new blocks in one eviction pass, as far as unreferenced blocks
@@ -316,7 +336,7 @@ class BlockPool:
         del self._index[block.block_hash]
         if block.parent is not None:
             block.parent.num_children -= 1
-        self._free_ids.append(block.block_id)
+        self._recycled.append(block.block_id)
         self.stats.evictions += 1
         self.policy.forget(block)
 

@@ -29,9 +29,11 @@ from agentcache.engine.protocol import (
 )
 from agentcache.engine.rope import RopeAligner
 from agentcache.engine.sampling import choose_token, find_stop
+from agentcache.engine.tokens import LiteralTokenizer
 from agentcache.errors import (
     CapacityError,
     ContextLengthError,
+    InputError,
     KVShapeError,
     ModelLoadError,
     PlanError,
@@ -51,15 +53,34 @@ class EngineConfig:
     eviction: str | EvictionPolicy = "lru"
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
     prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "pool_bytes", "prefill_chunk"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+                raise InputError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
-            raise ValueError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
-    device: str = "cpu"
+            raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
+        _check_device(self.device)
+
+
+def _check_device(device: object) -> None:
+    """A device torch knows and this machine has; raises InputError naming what there is."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"EngineConfig.device {device!r} is not a torch device; use 'cpu' or e.g. 'cuda:0'") from None
+    if parsed.type == "cpu":
+        return
+    backend = getattr(torch, parsed.type, None)
+    available = getattr(backend, "is_available", None)
+    count = getattr(backend, "device_count", None)
+    if available is None or not available():
+        raise InputError(f"EngineConfig.device {device!r}: this machine has no {parsed.type} device; use 'cpu'")
+    if parsed.index is not None and count is not None and parsed.index >= count():
+        raise InputError(f"EngineConfig.device {device!r}: only {count()} {parsed.type} device(s) here "
+                         f"(indices 0..{count() - 1})")
 
 
 def _layout_of(model: torch.nn.Module) -> KVLayout:
@@ -92,6 +113,7 @@ class EmbeddedEngine:
         self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
         self.tokenizer = loaded.tokenizer
+        self._literal = LiteralTokenizer(loaded.tokenizer)
         self.requires_bos = loaded.requires_bos
         self.max_context = loaded.max_context
         self.vocab_size = int(self.model.config.vocab_size)
@@ -126,8 +148,11 @@ class EmbeddedEngine:
     # --- text ------------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
-        """Token ids of `text` without special tokens; `bos=True` puts the BOS token first."""
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Literal token ids of `text` (text spelling a control token stays text); `bos=True` puts
+        the BOS token first."""
+        if not isinstance(text, str):
+            raise InputError(f"tokenize takes a str, got {type(text).__name__}")
+        ids = self._literal.encode(text)
         if bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -149,13 +174,16 @@ class EmbeddedEngine:
             raise self._rope_error
         return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start)
 
-    def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int:
+    def cached_prefix_length(
+        self, token_ids: Sequence[int], lineage: str | None = None, cache_salt: str | None = None
+    ) -> int:
         """Tokens of `token_ids` a call would be served from the prefix cache now, if its leading
         segments (covering `token_ids`) have step PREFIX; the last token is always computed."""
+        self._check_ids(token_ids, "cached_prefix_length")
         if not self.config.prefix_caching or not token_ids:
             return 0
         with self._lock:
-            blocks = len(self.pool.match(token_ids, lineage))
+            blocks = len(self.pool.match(token_ids, lineage, cache_salt))
         return min(blocks, (len(token_ids) - 1) // self.block_size) * self.block_size
 
     def continuation_logits(self, prompt_kv: Sequence[SegmentKV], token_ids: Sequence[int]) -> torch.Tensor:
@@ -199,11 +227,7 @@ class EmbeddedEngine:
             )
         start = 0
         for seg in request.segments:
-            bad = [t for t in seg.token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
-            if bad:
-                raise SegmentError(
-                    f"segment '{seg.name}': token ids {bad[:5]} are not ints in [0, {self.vocab_size})"
-                )
+            self._check_ids(seg.token_ids, f"segment '{seg.name}'")
             if seg.step is Step.INJECT:
                 kv = seg.kv
                 kv.check(self.layout, len(seg.token_ids), f"segment '{seg.name}'")
@@ -212,6 +236,11 @@ class EmbeddedEngine:
                 if kv.start != start and self._rope is None:
                     raise self._rope_error
             start += len(seg.token_ids)
+
+    def _check_ids(self, token_ids: Sequence[int], what: str) -> None:
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if bad:
+            raise SegmentError(f"{what}: token ids {bad[:5]} are not ints in [0, {self.vocab_size})")
 
     def _execute(self, request: ExecRequest, prompt: list[int], started: float) -> ExecResult:
         bs = self.block_size
@@ -228,7 +257,7 @@ class EmbeddedEngine:
             self.pool.stats.lookup_blocks += lead // bs
         if self.config.prefix_caching:
             self.pool.begin_request(prompt, request.owner, session=request.session, warmup=request.warmup)
-        chain = self.pool.match(prompt[:lead], request.lineage) if self.config.prefix_caching else []
+        chain = self.pool.match(prompt[:lead], request.lineage, request.cache_salt) if self.config.prefix_caching else []
         chain = chain[: (len(prompt) - 1) // bs]  # the last prompt token is always computed for its logits
         self.pool.acquire(chain, hit=counted)
         held: list[Block] = list(chain)
@@ -243,6 +272,7 @@ class EmbeddedEngine:
             # position -> digest of every token before it; what a segment ending there is exact for
             digests = prefix_digests(prompt, ends, self._model_key)
 
+            lineage_from = next((i * bs for i, b in enumerate(chain) if not b.exact), hit)  # approximate hit blocks
             logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, digests)
             approx_positions = [i * bs for i, b in enumerate(chain) if not b.exact] + [first_inject_approx]
             first_approx = min((p for p in approx_positions if p is not None), default=None)
@@ -255,6 +285,7 @@ class EmbeddedEngine:
                     kv=self._capture(cache, s, s + len(seg.token_ids), first_approx, digests)
                     if request.capture_kv
                     else None,
+                    lineage_tokens=max(0, min(s + c, hit) - max(s, lineage_from)),
                 )
                 for seg, (s, c, d, j) in zip(request.segments, spans)
             ]
@@ -440,7 +471,7 @@ class EmbeddedEngine:
         if first_approx is not None and request.lineage is None:
             storable = min(full_blocks, first_approx // bs)  # approximate KV without a lineage is not cached
         if storable > len(chain):  # make room in one eviction pass for what is not cached yet
-            cached = len(self.pool.match(token_ids[: storable * bs], request.lineage))
+            cached = len(self.pool.match(token_ids[: storable * bs], request.lineage, request.cache_salt))
             self.pool.reserve(storable - cached)
         for index in range(len(chain), full_blocks):
             begin, end = index * bs, (index + 1) * bs
@@ -451,7 +482,7 @@ class EmbeddedEngine:
             try:
                 block = self.pool.store(
                     parent, token_ids[begin:end], keys, values,
-                    salt=request.lineage if approximate else None, owner=request.owner,
+                    salt=request.lineage if approximate else None, namespace=request.cache_salt, owner=request.owner,
                 )
             except (CapacityError, BlockCollision):
                 self.pool.stats.store_skipped += full_blocks - index

@@ -78,15 +78,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise PlanError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise PlanError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise PlanError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise PlanError(f"SamplingParams.max_tokens must be an int of at least 1, got {self.max_tokens!r}")
+        if not (_is_number(self.temperature) and self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise PlanError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise PlanError(f"SamplingParams.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and type(self.seed) is not int:
+            raise PlanError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise PlanError(f"SamplingParams.stop must be a string or a tuple of strings, got {self.stop!r}; "
+                            "pass () for no stop strings")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise PlanError(f"stop strings must be non-empty strings, got {self.stop!r}")
+            raise PlanError(f"SamplingParams.stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ class ExecRequest:
     segments: Sequence[SegmentPlan]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     lineage: str | None = None  # salt for caching approximate KV; None: approximate KV is not cached
+    cache_salt: str | None = None  # namespace of the exact blocks it reads and caches (a tenant's); None: shared
     owner: str | None = None  # who runs the call (an agent name): the eviction policy's dispatch event
     session: str | None = None  # the workflow run it belongs to, for agent-aware eviction
     warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
@@ -104,7 +114,11 @@ class ExecRequest:
     def __post_init__(self) -> None:
         if not self.segments:
             raise PlanError("a call needs at least one segment")
-        for name in ("lineage", "owner", "session"):
+        if not isinstance(self.sampling, SamplingParams):
+            raise PlanError(f"ExecRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.on_token is not None and not callable(self.on_token):
+            raise PlanError(f"ExecRequest.on_token must be callable or None, got {type(self.on_token).__name__}")
+        for name in ("lineage", "cache_salt", "owner", "session"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise PlanError(f"{name} must be a non-empty string or None, got {value!r}")
@@ -120,10 +134,11 @@ class SegmentOutcome:
     step: Step
     start: int
     length: int
-    cached_tokens: int  # served by an exact (or own-lineage) prefix hit
+    cached_tokens: int  # served by a prefix hit: exact blocks, or the caller's own lineage
     computed_tokens: int  # prefilled densely
     injected_tokens: int  # taken from the plan's KV
     kv: SegmentKV | None  # what the segment's KV became in this call
+    lineage_tokens: int = 0  # of cached_tokens, those served by the lineage's approximate blocks
 
 
 @dataclass(frozen=True)
@@ -158,15 +173,21 @@ class Engine(Protocol):
     max_context: int
     bos_token_id: int | None
     eos_token_id: int | None
+    vocab_size: int
 
     @property
     def supports_realignment(self) -> bool: ...
 
-    def tokenize(self, text: str, *, bos: bool = False) -> list[int]: ...
+    def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
+        """Literal tokens of `text`: text spelling a control token (`<eos>`, `<|im_end|>`) stays text.
+        Only `bos=True` (or token ids placed by the caller) puts a control token in a prompt."""
+        ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
-    def cached_prefix_length(self, token_ids: Sequence[int], lineage: str | None = None) -> int: ...
+    def cached_prefix_length(
+        self, token_ids: Sequence[int], lineage: str | None = None, cache_salt: str | None = None
+    ) -> int: ...
 
     def realign(self, kv: SegmentKV, start: int) -> SegmentKV: ...
 

@@ -6,16 +6,21 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["choose_token", "find_stop"]
+__all__ = ["choose_token", "find_stop", "GREEDY_BELOW"]
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample like greedy decoding (softmax is one-hot there)
 
 
 def choose_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> int:
-    """Pick the next token from logits (V,)."""
-    if temperature == 0.0:
+    """Pick the next token from logits (V,). Computed in float64 after subtracting the maximum, so
+    no temperature overflows; NaN logits are never chosen."""
+    logits = torch.nan_to_num(logits.double(), nan=float("-inf"))  # (V,)
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (V,)
+    scaled = (logits - logits.max()) / temperature  # (V,) <= 0, the best token at 0
+    probs = torch.softmax(scaled, dim=-1)  # (V,) finite: exp(0) = 1 keeps the sum positive
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)

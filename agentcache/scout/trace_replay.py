@@ -98,7 +98,7 @@ def replay(
         if coordinator is not None:
             coordinator.observe(policy.identify(Dispatch(request.prompt, agent)), request.prompt, request.prefix_len)
             plan = coordinator.next_warmup(
-                request.session, lambda prefix: len(pool.match(prefix)) == len(prefix) // block_size
+                request.session, lambda prefix, _namespace: len(pool.match(prefix)) == len(prefix) // block_size
             )
             if plan is not None:
                 pool.begin_request(plan.prefix, plan.agent if name_agents else None, warmup=True)

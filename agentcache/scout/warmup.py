@@ -23,6 +23,7 @@ __all__ = ["Warmup", "WarmupCoordinator"]
 class Warmup:
     agent: str
     prefix: tuple[int, ...]  # the agent's fixed prefix: prefill it, generate at most one token
+    namespace: str | None = None  # the exact-block namespace (a tenant's) the prefix was seen in
 
 
 class WarmupCoordinator:
@@ -31,14 +32,17 @@ class WarmupCoordinator:
         self.config = config or ScoutConfig()
         self.min_prefix = min_prefix  # shorter prefixes are not worth a request
         self.prefixes: dict[str, tuple[int, ...]] = {}
+        self.namespaces: dict[str, str | None] = {}  # agent -> where its prefix was last seen: warmed only there
         self._confirmed: set[str] = set()  # agents whose prefix was declared or seen twice
         self._last_dispatch = -(10**9)
         self.outcomes: Counter[str] = Counter()  # issued, unpredictable, rate_limited, unknown_prefix, cached
 
-    def observe(self, agent: str, prompt: Sequence[int], prefix_len: int = 0) -> None:
-        """Learn `agent`'s prefix: declared (prefix_len > 0), else the common prefix of its prompts."""
+    def observe(self, agent: str, prompt: Sequence[int], prefix_len: int = 0, namespace: str | None = None) -> None:
+        """Learn `agent`'s prefix: declared (prefix_len > 0), else the common prefix of its prompts.
+        `namespace` is the exact-block namespace of the call (its tenant's); a warm-up runs there."""
         if agent not in self.learner.index:
             return  # an agent the learner does not track is never predicted: keep no prefix for it
+        self.namespaces[agent] = namespace
         if prefix_len > 0:
             self.prefixes[agent] = tuple(prompt[:prefix_len])
             self._confirmed.add(agent)
@@ -55,7 +59,7 @@ class WarmupCoordinator:
     ) -> Warmup | None:
         """The warm-up to run now, or None (the reason is counted in `outcomes`).
 
-        `is_cached(prefix)` says whether the cache already holds all it can of that prefix."""
+        `is_cached(prefix, namespace)` says whether the cache already holds all it can of that prefix."""
         dispatches = self.learner.dispatches
         if dispatches - self._last_dispatch < self.config.warmup_min_gap:
             self.outcomes["rate_limited"] += 1
@@ -68,9 +72,9 @@ class WarmupCoordinator:
         if prefix is None or agent not in self._confirmed or len(prefix) < self.min_prefix:
             self.outcomes["unknown_prefix"] += 1
             return None
-        if is_cached is not None and is_cached(prefix):
+        if is_cached is not None and is_cached(prefix, self.namespaces.get(agent)):
             self.outcomes["cached"] += 1
             return None
         self._last_dispatch = dispatches
         self.outcomes["issued"] += 1
-        return Warmup(agent, prefix)
+        return Warmup(agent, prefix, self.namespaces.get(agent))

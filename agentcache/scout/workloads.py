@@ -48,6 +48,7 @@ _ROUTING: dict[str, dict[str, dict[str, float]]] = {
     },
 }
 TOPOLOGIES = ("pipeline", "debate", "selector", "random")
+TOKEN_ID_LIMIT = 2**31  # token ids are vocabulary indices: ints in [0, 2**31)
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ class Trace:
             for name, ids in (("prompt", r.prompt), ("output", r.output)):
                 if not isinstance(ids, tuple):
                     raise TraceError(f"request {i} ({r.agent}): {name} must be a tuple of token ids, got {type(ids).__name__}")
-                bad = next((t for t in ids if type(t) is not int or t < 0), None)
+                bad = next((t for t in ids if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT), None)
                 if bad is not None:
-                    raise TraceError(f"request {i} ({r.agent}): {name} token id {bad!r} is not a non-negative int")
+                    raise TraceError(f"request {i} ({r.agent}): {name} token id {_show(bad)} is not an int "
+                                     "in [0, 2**31); token ids index a vocabulary")
             if not 0 <= r.prefix_len <= len(r.prompt):
                 raise TraceError(f"request {i} ({r.agent}): prefix_len {r.prefix_len} outside its {len(r.prompt)}-token prompt")
 
@@ -113,6 +115,10 @@ class Trace:
     def max_request_blocks(self, block_size: int) -> int:
         return max((len(self.cached_tokens(r)) // block_size for r in self.requests), default=0)
 
+    def total_blocks(self, block_size: int) -> int:
+        """Full blocks over every request's cached tokens: more than a pool can ever hold of this trace."""
+        return sum(len(self.cached_tokens(r)) // block_size for r in self.requests)
+
     def save(self, path: str | Path) -> None:
         """JSON lines: a header with the agents and metadata, then one request per line."""
         with open(path, "w") as f:
@@ -122,23 +128,39 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        lines = Path(path).read_text().splitlines()
-        if not lines:
-            raise TraceError(f"{path}: empty trace file")
+        """Read a trace `save` wrote; any problem is a TraceError naming the file (and the line)."""
+        lines = _read_lines(path)
         number = 1
         try:
             header = json.loads(lines[0])
             if not isinstance(header["agents"], list):
-                raise TypeError(f"'agents' must be a list of names, got {header['agents']!r}")
+                raise TypeError(f"'agents' must be a list of names, got {_show(header['agents'])}")
             agents, meta = tuple(header["agents"]), header.get("meta", {})
             requests = []
             for number, line in enumerate(lines[1:], start=2):  # noqa: B007 (named in the error)
                 d = json.loads(line)
                 requests.append(TraceRequest(d["agent"], d["session"], tuple(d["prompt"]),
                                              tuple(d.get("output", ())), d.get("prefix_len", 0)))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except RecursionError:
+            raise TraceError(f"{path}, line {number}: JSON nested too deeply; "
+                             "a trace line is one flat JSON object") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # ValueError: bad JSON, an int too long
             raise TraceError(f"{path}, line {number}: not a trace line ({type(exc).__name__}: {exc})") from None
-        return cls(agents, requests, meta)
+        try:
+            return cls(agents, requests, meta)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+
+
+def _read_lines(path: str | Path) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); "
+                         "a trace is a JSON lines file") from None
+    if not lines:
+        raise TraceError(f"{path}: empty trace file")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -154,16 +176,35 @@ class WorkloadSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Raise TraceError (a ValueError) naming the first bad field and what it must be."""
         if self.topology not in TOPOLOGIES:
-            raise ValueError(f"unknown topology {self.topology!r}; choose one of {list(TOPOLOGIES)}")
-        if self.num_agents < 2:
-            raise ValueError(f"a multi-agent workload needs at least 2 agents, got {self.num_agents}")
+            raise TraceError(f"unknown topology {_show(self.topology)}; choose one of {', '.join(TOPOLOGIES)}")
+        if not _is_int(self.num_agents) or self.num_agents < 2:
+            raise TraceError(f"a multi-agent workload needs num_agents of at least 2, got {_show(self.num_agents)}")
         for name in ("sessions", "concurrent", "turns", "query_tokens", "output_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"WorkloadSpec.{name} must be at least 1, got {getattr(self, name)}")
-        low, high = self.prefix_tokens
-        if not 1 <= low <= high:
-            raise ValueError(f"prefix_tokens must be a range 1 <= low <= high, got {self.prefix_tokens}")
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise TraceError(f"{name} must be a positive int (at least 1), got {_show(value)}")
+        if not _is_range(self.prefix_tokens):
+            raise TraceError(f"prefix_tokens must be a range (low, high) of ints with 1 <= low <= high, "
+                             f"got {_show(self.prefix_tokens)}")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # not a bool, not a float
+
+
+def _is_range(value: object) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_int, value))
+            and 1 <= value[0] <= value[1])
+
+
+def _show(value: object) -> str:
+    """A short repr for error messages: a huge int or a long string would flood the line."""
+    if _is_int(value) and value.bit_length() > 256:
+        return f"<an int of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _agent_names(n: int) -> tuple[str, ...]:

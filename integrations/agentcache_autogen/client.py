@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Literal, Mapping, Sequence
 
@@ -87,7 +88,13 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._usage_lock = threading.Lock()
-        self.results: list[CallResult] = []  # this client's calls, in order
+        # this client's newest calls, in order; as many as the runtime keeps (RuntimeConfig.keep_calls)
+        self._results: deque[CallResult] = deque(maxlen=runtime.config.keep_calls)
+
+    @property
+    def results(self) -> list[CallResult]:
+        """This client's newest calls (as many as the runtime keeps), oldest first."""
+        return list(self._results)
 
     def for_agent(self, agent: str, session: str | None = None) -> "AgentCacheChatCompletionClient":
         """A client on the same runtime that always calls as `agent` (one client per agent)."""
@@ -179,7 +186,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
     def _result(self, result: CallResult) -> CreateResult:
         completion = len(result.token_ids)
         with self._usage_lock:
-            self.results.append(result)
+            self._results.append(result)
             self._total = _add(self._total, RequestUsage(prompt_tokens=result.prompt_tokens,
                                                          completion_tokens=completion))
             # What the engine actually prefilled: prefix-cache hits and reused shared segments are not.

@@ -13,6 +13,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
+from agentcache.errors import InputError
 from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
@@ -110,6 +111,9 @@ class AgentCacheChatModel(BaseChatModel):
             raise ValueError("AgentCacheChatModel does not know which agent is calling: pass agent=... to the "
                              "model or decorate the LangGraph node with @agent_node(name)")
         thread_id, node = graph_context()
+        if self.session is None and thread_id is not None and not thread_id.strip():
+            raise InputError(f"the LangGraph thread_id is {thread_id!r}; a session needs a non-empty thread_id "
+                             "(configurable={'thread_id': 'run-1'}) or none at all")
         session = self.session if self.session is not None else thread_id
         caller = node or (tag.function if tag is not None else None)
 
