@@ -86,9 +86,13 @@ def byte_tokenizer() -> Any:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    # Without merges, BPE's word cache saves nothing; and since the pre-tokenizer keeps a whole text as
+    # one "word", the default cache would hold 10,000 whole texts (about 28 MB on a long-lived runtime).
+    resize = getattr(tokenizer.backend_tokenizer.model, "_resize_cache", None)
+    if resize is not None:
+        resize(0)
+    return tokenizer
 
 
 _TINY_VOCAB = 320  # >= 259 byte-tokenizer ids; the unused tail is never produced by the tokenizer

@@ -327,6 +327,9 @@ class Runtime:
             raise PlanError(f"agent {agent!r} has produced no output in session {session!r}"
                             f"{f' of tenant {tenant!r}' if tenant is not None else ''}; agents with output there: "
                             f"{self.sessions.agents(scope)}")
+        if not output:
+            raise PlanError(f"agent {agent!r}'s latest output in session {session!r} is empty: there is nothing "
+                            "to read; leave it out of the call")
         return Segment.ph(output_slot(agent), output)
 
     def shared_texts(self, session: str | None = None, tenant: str | None = None) -> dict[str, str]:
@@ -556,7 +559,7 @@ class Runtime:
             sessions=len(self.sessions),
             sessions_forgotten=self.sessions.forgotten,
             anchor_build_s=self.corrector.anchor_build_s,
-            faults=dict(self.corrector.faults),  # real faults only; normal fallbacks are in fallback_reasons
+            faults=self._faults(),  # real faults only; normal fallbacks are in fallback_reasons
             eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
             warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,
             warmup_faults=self.warmup_faults,
@@ -564,6 +567,12 @@ class Runtime:
             dispatches=self._dispatch_counts(),
         )
         return figures
+
+    def _faults(self) -> dict[str, int]:
+        faults = dict(self.corrector.faults)
+        if self.corrector.store.dropped_corrupt:
+            faults["corrupt_source"] = self.corrector.store.dropped_corrupt
+        return faults
 
     def _dispatch_counts(self) -> dict[str, int]:
         with self._records_lock:

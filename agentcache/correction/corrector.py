@@ -29,7 +29,6 @@ from agentcache.correction.store import Materialization, SegmentStore, common_pr
 from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.errors import AgentCacheError
 from agentcache.isolation import Scope
 
 __all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
@@ -114,7 +113,7 @@ class Corrector:
         try:
             kv.check(self.engine.layout, len(source.token_ids), f"source cache {source.id}")
             sound = bool(torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all())
-        except AgentCacheError:
+        except Exception:  # noqa: BLE001 - a mis-shaped, mistyped or missing KV: not a source
             sound = False
         if not sound:
             self.faults["bad_source"] += 1
