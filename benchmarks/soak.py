@@ -46,7 +46,7 @@ EXPERTS = {
 JUDGE = "You read the experts and give the final answer.\n"
 WORDS = ("apples trains books pizzas rows plants friends hours miles boxes eggs market brother library "
          "monday tuesday slices farmer corn dies buys gives shares travels").split()
-WINDOW = 1000  # calls per RSS sample and lookup window
+WINDOW = 1000  # calls per RSS sample and lookup window (--window)
 
 
 def rss_mb() -> float:
@@ -105,7 +105,7 @@ def output_or_note(rt: Runtime, agent: str, session: str, tenant: str) -> Segmen
         return Segment.pf("(no answer)")
 
 
-def run(calls: int, warmup: int, seed: int) -> dict:
+def run(calls: int, warmup: int, seed: int, window: int = WINDOW) -> dict:
     torch.set_num_threads(1)
     engine = EmbeddedEngine("tiny-llama", EngineConfig(pool_blocks=1024))
     rt = Runtime(engine, strategy=STRATEGIES["kvcmas"].replace(tau=1.0), config=RuntimeConfig(self_check=False))
@@ -122,7 +122,7 @@ def run(calls: int, warmup: int, seed: int) -> dict:
             for call in session_calls(rt, rng, sessions):
                 rt.run(call, sampling)
                 done += 1
-                if done % WINDOW == 0:
+                if done % window == 0:
                     gc.collect()
                     samples.append((done, round(rss_mb(), 2)))
                     windows.append(median(lookups.ms) if lookups.ms else 0.0)
@@ -145,12 +145,14 @@ def run(calls: int, warmup: int, seed: int) -> dict:
         "sessions_run": sessions + 1,
         "tenants": 2,
         "warmup_calls": warmup,
+        "window_calls": window,
         "seconds": round(elapsed, 1),
         "calls_per_s": round(done / elapsed, 1),
         "torch_threads": torch.get_num_threads(),
         "rss_mb": dict(samples),
         "timeline": [{k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()} for t in timeline],
         "rss_growth_mb_per_1000_calls": round(slope_per_1000(steady), 4) if len(steady) >= 2 else None,
+        "rss_growth_mb": round(steady[-1][1] - steady[0][1], 2) if steady else None,
         "store_lookup_ms_p50_start": round(steady_windows[0], 4) if steady_windows else None,
         "store_lookup_ms_p50_end": round(steady_windows[-1], 4) if steady_windows else None,
         "store_entries_end": figures["store_entries"],
@@ -173,12 +175,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3000 calls (under a minute on 2 cores)")
     parser.add_argument("--calls", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None, help="calls before RSS growth is measured")
+    parser.add_argument("--window", type=int, default=WINDOW, help="calls per RSS sample and lookup window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     calls = args.calls or (3000 if args.quick else 20000)
     warmup = args.warmup if args.warmup is not None else (1000 if args.quick else 2000)
-    emit(run(calls, min(warmup, calls - WINDOW), args.seed), args.out)
+    emit(run(calls, min(warmup, calls - args.window), args.seed, args.window), args.out)
 
 
 if __name__ == "__main__":

@@ -225,3 +225,13 @@ def test_scout_ttft_bench_quick_compares_survival_with_lru():
     assert set(result["mean_ttft_s"]) == {"lru", "survival", "survival_prefetch"}
     assert result["hit_rate"]["survival"] > result["hit_rate"]["lru"]
     assert result["warmups"]["issued"] > 0 and result["ttft_ratio_survival_vs_lru"] > 0
+
+
+def test_soak_bench_keeps_state_bounded():
+    """A short soak (600 calls, sampled every 200): the issue's keys, bounded state, no faults."""
+    result = _quick("soak.py", "--calls", "600", "--window", "200", "--warmup", "200")
+    assert result["calls"] == 600 and set(result["rss_mb"]) == {"200", "400", "600"}
+    assert isinstance(result["rss_growth_mb_per_1000_calls"], float)
+    assert 0 < result["store_lookup_ms_p50_start"] and 0 < result["store_lookup_ms_p50_end"]
+    assert result["sessions_kept"] <= 128 and result["records_kept"] <= 1000 and result["faults"] == {}
+    assert result["ph_decisions"]["corrected"] > 0  # corrections, anchors and lineage blocks were exercised
