@@ -272,15 +272,21 @@ class Runtime:
             self.warmup_coordinator.outcomes["calls_waiting"] += 1
             return
         try:
-            plan = self.warmup_coordinator.next_warmup(self._engine_session(call), self._prefix_cached)
+            plan = self.warmup_coordinator.next_warmup(self._engine_session(call), self._prefix_cached,
+                                                       tenant_salt(call.tenant))
         except Exception as exc:
             self.warmup_faults += 1
             log.warning("planning a warm-up failed: %s", exc)
             return
         if plan is not None:
-            self._warmup_thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup",
-                                                   daemon=True)
-            self._warmup_thread.start()
+            thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: the warm-up is skipped, the call stands
+                self.warmup_faults += 1
+                log.warning("could not start a warm-up thread: %s", exc)
+                return
+            self._warmup_thread = thread
 
     def _prefix_cached(self, prefix: Sequence[int], namespace: str | None) -> bool:
         servable = (len(prefix) - 1) // self.engine.block_size * self.engine.block_size  # what a hit can cover
@@ -428,6 +434,8 @@ class Runtime:
                                  "prefilling densely", exc)
             for index, decision in decisions.items():
                 if decision.reused:
+                    if decision.source is not None:  # never offer the engine this source again
+                        self.corrector.store.remove(decision.source.id)
                     decisions[index] = PHDecision("fallback", reason="engine_rejected")
             pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
             result = execute(pieces)
@@ -440,8 +448,11 @@ class Runtime:
         kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
         reports = self._reports(segments, token_lists, outcomes, decisions)
         self._commit(scope, agent, segments, token_lists, reports, decisions, result, kvs)
-        self.sessions.record(scope, agent, result.text, output_slot(agent), [
-            (seg.text.strip(), seg.slot) for seg in call.segments if seg.kind == "ph" and seg.text and seg.text.strip()])
+        try:
+            self.sessions.record(scope, agent, result.text, output_slot(agent), [
+                (seg.text.strip(), seg.slot) for seg in call.segments if seg.kind == "ph" and seg.text and seg.text.strip()])
+        except Exception as exc:  # noqa: BLE001 - the call's result stands
+            self.corrector.fault("commit_error", f"remembering agent {agent!r}'s output for its session", exc)
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
             ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, event=event, prompt_tokens=result.prompt_tokens,
@@ -476,7 +487,7 @@ class Runtime:
             prefix_len += len(tokens)
         if self.warmup_coordinator is not None:
             if self._own_learner is not None:  # the engine's policy does not learn dispatches itself
-                self._own_learner.observe(call.agent, call.session)
+                self._own_learner.observe(call.agent, self._engine_session(call))
             self.warmup_coordinator.observe(call.agent, prompt, prefix_len, tenant_salt(call.tenant))
         if self.recorder is not None:
             self.recorder.record(call.agent, call.session, prompt, output, prefix_len)

@@ -67,6 +67,8 @@ CASES = [
     ("device-missing", lambda: EngineConfig(device="cuda:3"), InputError, "EngineConfig.device 'cuda:3'"),
     ("device-nonsense", lambda: EngineConfig(device="gpu please"), InputError, "is not a torch device"),
     ("device-type", lambda: EngineConfig(device=7), InputError, "EngineConfig.device 7"),
+    ("pool-beyond-memory", lambda: rt().engine.with_config(EngineConfig(pool_blocks=10**10)), InputError,
+     "a pool of 10000000000 blocks needs"),
     ("check-not-report", lambda: Runtime(rt().engine, check="passed"), InputError, "Runtime(check=...) must be a CheckReport"),
     ("check-bool", lambda: Runtime(rt().engine, check=True), InputError, "got bool"),
     ("config-dict", lambda: Runtime(rt().engine, config={"keep_calls": 3}), InputError, "must be a RuntimeConfig"),

@@ -102,6 +102,20 @@ def test_one_corrupt_store_entry_never_breaks_later_calls(corrupt):
     assert results[1].segments[1].decision == "corrected"  # the next edge corrects from local's copy
 
 
+def test_a_corrupt_anchor_is_dropped_and_the_source_kept():
+    rt = runtime()
+    warm(rt)
+    anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
+    anchor.keys = None  # not even factors
+    query = text_of_length(rt.engine, 40, seed=6)
+    first = chain(rt, query)
+    assert first[1].segments[1].reason == "bad_anchor" and rt.summary()["faults"]["bad_anchor"] == 1
+    assert rt.corrector.bank.anchor((None, "query"), anchor.source_id) is None
+    assert rt.corrector.store.find(Scope(), "query", rt.engine.tokenize(query), agent="planner") is not None
+    again = chain(rt, text_of_length(rt.engine, 40, seed=7))
+    assert all(r.text is not None for r in again) and rt.summary()["faults"]["bad_anchor"] == 1  # once, not per call
+
+
 def test_summary_faults_hold_only_faults():
     rt = runtime()
     chain(rt, text_of_length(rt.engine, 40, seed=4))  # first, then few_anchors: normal, not faults

@@ -114,6 +114,18 @@ def test_anchors_exact_blocks_and_approximate_blocks_stay_in_their_tenant():
     assert again.cached_tokens > 0 and again.lineage_tokens == 0  # t2's exact prefix serves t2's other sessions
 
 
+def test_a_reference_prefill_caches_in_its_tenant_namespace():
+    """KVComm-style (non-chained) strategies prefill a context-free reference of the query; its blocks
+    are exact but hold the tenant's text, so they stay in the tenant's namespace."""
+    rt = runtime("kvcomm")
+    query = text_of_length(rt.engine, 60, seed=11)
+    rt.run(call("p", query, session="s", tenant="acme"), ONE)
+    engine = rt.engine
+    probe = engine.tokenize("\n", bos=True) + engine.tokenize(query)  # what the reference prefill cached
+    assert engine.cached_prefix_length(probe, cache_salt=tenant_salt("acme")) > 0
+    assert engine.cached_prefix_length(probe) == 0  # nothing of acme's text in the shared namespace
+
+
 def test_output_segment_is_scoped_by_session_and_sessions_are_bounded():
     rt = runtime(max_sessions=2)
     query = text_of_length(rt.engine, 20, seed=3)
@@ -193,3 +205,20 @@ def test_literal_tokenizer_splits_template_tokens_even_when_the_tokenizer_will_n
     ids = literal.encode(text)
     assert literal.control_ids.isdisjoint(ids) and im_end in literal.control_ids
     assert tokenizer.decode(ids) == text
+
+
+def test_warmups_learn_and_warm_each_tenants_prefixes_apart():
+    """A tenant's dispatches never warm another tenant's agent prefix (or learn one from it)."""
+    from agentcache.scout import ScoutConfig, TransitionLearner
+    from agentcache.scout.warmup import WarmupCoordinator
+
+    learner = TransitionLearner()
+    coordinator = WarmupCoordinator(learner, ScoutConfig(r_min=0.0))
+    mine, theirs = tenant_salt("mine"), tenant_salt("theirs")
+    for _ in range(3):
+        for agent in ("planner", "critic"):
+            learner.observe(agent, "s")
+            coordinator.observe(agent, (1, 2, 3, 4, 5), prefix_len=4, namespace=mine)
+    assert coordinator.next_warmup("s", namespace=theirs) is None  # their tenant never ran these agents
+    plan = coordinator.next_warmup("s", namespace=mine)
+    assert plan is not None and plan.namespace == mine and plan.prefix == (1, 2, 3, 4)

@@ -326,10 +326,18 @@ def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
             decision.inject = type(kv)(torch.cat([kv.keys, kv.keys], 1), torch.cat([kv.values, kv.values], 1), kv.start)
         return decision
 
-    monkeypatch.setattr(rt.corrector, "plan", wrong_heads)
+    sources = []
+
+    def recorded(*args, **kwargs):
+        decision = wrong_heads(*args, **kwargs)
+        sources.append(decision.source.id)
+        return decision
+
+    monkeypatch.setattr(rt.corrector, "plan", recorded)
     result = rt.run(role_call("critic", query), ONE)
     assert (result.segments[1].decision, result.segments[1].reason) == ("fallback", "engine_rejected")
     assert result.reused_tokens == 0 and rt.summary()["faults"]["engine_rejected"] == 1
+    assert sources and sources[0] not in {e.id for e in rt.corrector.store}  # the refused source is never offered again
 
 
 def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():

@@ -29,7 +29,7 @@ from agentcache.correction.store import Materialization, SegmentStore, common_pr
 from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.isolation import Scope
+from agentcache.isolation import Scope, tenant_salt
 
 __all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
 
@@ -94,18 +94,18 @@ class Corrector:
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
+        if not self.engine.supports_realignment:
+            return PHDecision("fallback", reason="not_realignable", source=source)
+        if not self._source_is_sound(source):
+            return PHDecision("fallback", reason="bad_source")
         try:
-            if not self.engine.supports_realignment:
-                return PHDecision("fallback", reason="not_realignable", source=source)
-            if not self._source_is_sound(source):
-                return PHDecision("fallback", reason="bad_source")
             aligned = self.engine.realign(source.kv.slice(0, shared), 0)
-            if not self.strategy.correct:
-                return PHDecision("reused", source=source, covered=shared, inject=aligned)
-            return self._correct(scope, agent, slot, source, aligned)
         except Exception:
-            self.store.remove(source.id)  # whatever broke, this source is not used again
+            self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
             raise
+        if not self.strategy.correct:
+            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+        return self._correct(scope, agent, slot, source, aligned)
 
     def _source_is_sound(self, source: Materialization) -> bool:
         """The stored KV fits the model and is finite; otherwise it is removed from the store."""
@@ -140,6 +140,7 @@ class Corrector:
         request = ExecRequest(
             [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
             SamplingParams(max_tokens=1), owner=REFERENCE, warmup=True,  # internal: no agent dispatch, no hit
+            cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
         )
         result = self.engine.execute(request)
         return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
@@ -150,7 +151,7 @@ class Corrector:
         pool_key = (scope.tenant, slot)
         candidates = self.bank.candidates(pool_key, source.agent, agent)
         for anchor in candidates:
-            if not anchor.fits(layout.num_layers, features):
+            if not _fits(anchor, layout.num_layers, features):
                 self.fault("bad_anchor", f"dropping anchor {anchor.source_id} of slot {slot!r}: its shapes do not "
                            f"fit {self.engine.model_name}")
                 self.bank.drop(pool_key, anchor)
@@ -253,3 +254,11 @@ class Corrector:
         correction = Correction(factorize(delta_k, s.delta_rank), factorize(delta_v, s.delta_rank))
         self.anchor_build_s += time.perf_counter() - started
         return source.id, source.agent, base_k, base_v, agent, correction
+
+
+def _fits(anchor: Anchor, num_layers: int, features: int) -> bool:
+    """The anchor's shapes fit the model; an anchor too corrupt to say does not."""
+    try:
+        return anchor.fits(num_layers, features)
+    except Exception:  # noqa: BLE001 - factors that are not even tensors
+        return False

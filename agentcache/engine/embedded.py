@@ -9,6 +9,7 @@ unsalted, blocks at or after the first approximate token under the call's lineag
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -83,6 +84,17 @@ def _check_device(device: object) -> None:
                          f"(indices 0..{count() - 1})")
 
 
+def _check_pool_fits(capacity: int, block_bytes: int, device: str) -> None:
+    """A CPU pool must fit this machine's memory (its storage is reserved up front, paged in lazily)."""
+    if torch.device(device).type != "cpu":
+        return
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if capacity * block_bytes > memory:
+        raise InputError(f"EngineConfig.pool_blocks: a pool of {capacity} blocks needs "
+                         f"{capacity * block_bytes / 2**30:.1f} GiB of KV, more than this machine's "
+                         f"{memory / 2**30:.1f} GiB; ask for fewer blocks (or pool_bytes)")
+
+
 def _layout_of(model: torch.nn.Module) -> KVLayout:
     """Probe one token through the model and read the KV shape of every layer."""
     from transformers import DynamicCache
@@ -126,6 +138,7 @@ class EmbeddedEngine:
         capacity = self.config.pool_blocks or max(
             1, self.config.pool_bytes // (self.layout.bytes_per_token * self.block_size)
         )
+        _check_pool_fits(capacity, self.layout.bytes_per_token * self.block_size, self.config.device)
         self.pool = BlockPool(capacity, self.block_size, self.config.eviction, self.layout, self.config.device)
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(self.model)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from agentcache.errors import InputError
+
 __all__ = ["LiteralTokenizer"]
 
 
@@ -46,5 +48,5 @@ class LiteralTokenizer:
             text = text[found.start() + 1 :]
         leaked = self.control_ids.intersection(ids)
         if leaked:  # a one-character control token cannot be split: refuse rather than forge it
-            raise ValueError(f"text contains control token ids {sorted(leaked)} that cannot be tokenized as text")
+            raise InputError(f"text contains control token ids {sorted(leaked)} that cannot be tokenized as text")
         return ids

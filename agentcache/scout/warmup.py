@@ -8,7 +8,7 @@ is planned only when execution is predictable enough (R >= R_min, Eq. 11), at mo
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,6 +17,8 @@ from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner
 
 __all__ = ["Warmup", "WarmupCoordinator"]
+
+MAX_PREFIXES = 1024  # (namespace, agent) prefixes remembered; the least recently seen go first
 
 
 @dataclass(frozen=True)
@@ -31,9 +33,9 @@ class WarmupCoordinator:
         self.learner = learner
         self.config = config or ScoutConfig()
         self.min_prefix = min_prefix  # shorter prefixes are not worth a request
-        self.prefixes: dict[str, tuple[int, ...]] = {}
-        self.namespaces: dict[str, str | None] = {}  # agent -> where its prefix was last seen: warmed only there
-        self._confirmed: set[str] = set()  # agents whose prefix was declared or seen twice
+        # (namespace, agent) -> its prefix: a tenant's agents are learned and warmed in its own namespace
+        self.prefixes: OrderedDict[tuple[str | None, str], tuple[int, ...]] = OrderedDict()
+        self._confirmed: set[tuple[str | None, str]] = set()  # prefixes declared or seen twice
         self._last_dispatch = -(10**9)
         self.outcomes: Counter[str] = Counter()  # issued, unpredictable, rate_limited, unknown_prefix, cached
 
@@ -42,22 +44,26 @@ class WarmupCoordinator:
         `namespace` is the exact-block namespace of the call (its tenant's); a warm-up runs there."""
         if agent not in self.learner.index:
             return  # an agent the learner does not track is never predicted: keep no prefix for it
-        self.namespaces[agent] = namespace
+        key = (namespace, agent)
+        known = self.prefixes.get(key)
         if prefix_len > 0:
-            self.prefixes[agent] = tuple(prompt[:prefix_len])
-            self._confirmed.add(agent)
-            return
-        known = self.prefixes.get(agent)
-        if known is None:
-            self.prefixes[agent] = tuple(prompt)
+            self.prefixes[key] = tuple(prompt[:prefix_len])
+            self._confirmed.add(key)
+        elif known is None:
+            self.prefixes[key] = tuple(prompt)
         else:
-            self.prefixes[agent] = known[: common_prefix(known, prompt)]
-            self._confirmed.add(agent)
+            self.prefixes[key] = known[: common_prefix(known, prompt)]
+            self._confirmed.add(key)
+        self.prefixes.move_to_end(key)
+        while len(self.prefixes) > MAX_PREFIXES:
+            self._confirmed.discard(self.prefixes.popitem(last=False)[0])
 
     def next_warmup(
-        self, session: str | None = None, is_cached: Callable[[Sequence[int]], bool] | None = None
+        self, session: str | None = None, is_cached: Callable[[Sequence[int], str | None], bool] | None = None,
+        namespace: str | None = None,
     ) -> Warmup | None:
-        """The warm-up to run now, or None (the reason is counted in `outcomes`).
+        """The warm-up to run now for `session` (of the tenant whose namespace is `namespace`), or None
+        (the reason is counted in `outcomes`).
 
         `is_cached(prefix, namespace)` says whether the cache already holds all it can of that prefix."""
         dispatches = self.learner.dispatches
@@ -68,13 +74,14 @@ class WarmupCoordinator:
             self.outcomes["unpredictable"] += 1
             return None
         agent = self.learner.predict(session=session)
-        prefix = self.prefixes.get(agent) if agent is not None else None
-        if prefix is None or agent not in self._confirmed or len(prefix) < self.min_prefix:
+        key = (namespace, agent)
+        prefix = self.prefixes.get(key) if agent is not None else None
+        if prefix is None or key not in self._confirmed or len(prefix) < self.min_prefix:
             self.outcomes["unknown_prefix"] += 1
             return None
-        if is_cached is not None and is_cached(prefix, self.namespaces.get(agent)):
+        if is_cached is not None and is_cached(prefix, namespace):
             self.outcomes["cached"] += 1
             return None
         self._last_dispatch = dispatches
         self.outcomes["issued"] += 1
-        return Warmup(agent, prefix, self.namespaces.get(agent))
+        return Warmup(agent, prefix, namespace)

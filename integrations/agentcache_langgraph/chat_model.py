@@ -148,7 +148,8 @@ class AgentCacheChatModel(BaseChatModel):
                 "queued_s": result.queued_s,  # of ttft_s, waiting behind other calls (a fan-out's siblings)
                 "total_s": result.total_s,
                 "prompt_tokens": result.prompt_tokens,
-                "cached_tokens": result.cached_tokens,
+                "cached_tokens": result.exact_cached_tokens,  # exact prefix hits
+                "own_lineage_tokens": result.lineage_tokens,  # the agent's own approximate blocks
                 "reused_tokens": result.reused_tokens,
                 "decisions": [(s.name, s.decision) for s in result.segments],
             },
