@@ -261,8 +261,9 @@ def test_reply_metadata_and_per_call_options():
     result = rt.results[-1]
     assert isinstance(reply, AIMessage) and reply.name == "solo" and reply.content == result.text
     meta = reply.response_metadata
-    for key in ("ttft_s", "queued_s", "cached_tokens", "reused_tokens", "prompt_tokens", "finish_reason"):
+    for key in ("ttft_s", "queued_s", "reused_tokens", "prompt_tokens", "finish_reason"):
         assert meta[key] == getattr(result, key)
+    assert (meta["cached_tokens"], meta["own_lineage_tokens"]) == (result.exact_cached_tokens, result.lineage_tokens)
     assert meta["decisions"] == [(s.name, s.decision) for s in result.segments]
     assert reply.usage_metadata["input_tokens"] == result.prompt_tokens
     assert reply.usage_metadata["output_tokens"] == len(result.token_ids)
