@@ -2,7 +2,7 @@
 
 from agentcache.correction import STRATEGIES, Strategy
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.metrics import CallResult
+from agentcache.metrics import CallResult, JsonlSink
 from agentcache.models import DEFAULT_MODEL, load_model
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
@@ -18,6 +18,7 @@ __all__ = [
     "EmbeddedEngine",
     "EngineConfig",
     "ExecRequest",
+    "JsonlSink",
     "Runtime",
     "RuntimeConfig",
     "STRATEGIES",
