@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine import SamplingParams
