@@ -58,6 +58,7 @@ def test_any_exception_while_planning_falls_back_to_dense_and_drops_the_source(m
     assert rt.summary()["faults"] == {"plan_error": 1}
     tokens = rt.engine.tokenize(query)
     assert rt.corrector.store.find(Scope(), "query", tokens, agent="planner") is None  # the source the fault touched
+    assert rt.corrector.bank.candidates((None, "query"), "planner", "local") == []  # and the edge's anchors
     monkeypatch.undo()
     assert rt.run(role_call("critic", query), ONE).segments[1].decision == "corrected"  # usable, from local's copy
 

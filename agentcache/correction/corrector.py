@@ -105,7 +105,15 @@ class Corrector:
             raise
         if not self.strategy.correct:
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
-        return self._correct(scope, agent, slot, source, aligned)
+        try:
+            return self._correct(scope, agent, slot, source, aligned)
+        except Exception:
+            # Not knowing which part was bad, use none of what the fault touched again: the source and
+            # the anchors of this edge (they are learned anew from the next fallbacks).
+            self.store.remove(source.id)
+            for anchor in self.bank.candidates((scope.tenant, slot), source.agent, agent):
+                self.bank.drop((scope.tenant, slot), anchor)
+            raise
 
     def _source_is_sound(self, source: Materialization) -> bool:
         """The stored KV fits the model and is finite; otherwise it is removed from the store."""
