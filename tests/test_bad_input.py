@@ -91,3 +91,19 @@ def test_bad_input_raises_a_clear_error_before_any_work(run, error, fragment):
         assert isinstance(raised.value, AgentCacheError)
     assert runtime.summary()["calls"] == calls and runtime.engine.pool.stats.lookups == lookups  # nothing ran
     assert runtime.run(good_call(), SamplingParams(max_tokens=1)).text is not None  # and it stays usable
+
+
+@pytest.mark.parametrize("adapter, framework, extra", [
+    ("agentcache_autogen", "autogen_core", "agentcache[autogen]"),
+    ("agentcache_langgraph", "langchain_core", "agentcache[langgraph]"),
+])
+def test_a_missing_framework_names_the_extra_to_install(adapter, framework, extra):
+    """Run where the framework cannot be imported (a None entry in sys.modules blocks it)."""
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.modules[{framework!r}] = None; import {adapter}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and extra in last and "ModuleNotFoundError" not in last

@@ -15,6 +15,12 @@ for CacheScout. Messages become the shared transcript layout of `agentcache.tran
 agents of one graph reuse each other's KV for the query and for each other's outputs.
 """
 
+try:
+    import langchain_core  # noqa: F401 - the chat model; LangGraph itself is read lazily, inside a graph run
+except ImportError as exc:
+    raise ImportError("agentcache_langgraph needs langchain-core (and LangGraph for graphs): install the extra "
+                      "with pip install 'agentcache[langgraph]' (scripts/setup.sh does)") from exc
+
 from agentcache.transcript import UnsupportedMessageError
 
 from agentcache_langgraph.chat_model import AgentCacheChatModel, UnsupportedFeatureError
