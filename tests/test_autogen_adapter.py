@@ -485,3 +485,10 @@ def test_building_a_selector_call_never_waits_for_a_running_call():
         took = time.perf_counter() - begin
     assert worker.is_alive() and took < 0.1  # the call still runs (0.4 s of tokens); building did not wait
     worker.join()
+
+
+@pytest.mark.parametrize("stop, want", [([], ("\n###",)), ("END", ("\n###", "END")), (["A", "B"], ("\n###", "A", "B"))])
+def test_constructor_stop_strings_join_the_transcript_stop(stop, want):
+    client = AgentCacheChatCompletionClient(runtime(), agent="planner", stop=stop)
+    _, sampling, _ = client._request([UserMessage(content=TASK, source="user")], [], "auto", None, {})
+    assert sampling.stop == want and client.for_agent("local").sampling.stop == want

@@ -333,3 +333,11 @@ def test_bad_input_is_refused_and_the_runtime_keeps_working():
         list(AgentCacheChatModel(runtime=rt).stream(prompt))
     still_runs()
     assert asyncio.run(model.ainvoke(prompt)).name == "solo"
+
+
+@pytest.mark.parametrize("stop, call_stop, want", [
+    ((), None, ("\n###",)), ([], ["END"], ("\n###", "END")), (["A"], ["A", "B"], ("\n###", "A", "B"))])
+def test_a_callers_stop_strings_join_the_transcript_stop(stop, call_stop, want):
+    model = AgentCacheChatModel(runtime=make_runtime(), agent="solo", max_tokens=2, stop=stop)
+    prepared = model._prepare([HumanMessage("hi")], call_stop, {})
+    assert prepared.sampling.stop == want  # without "\n###" the model would write other agents' turns

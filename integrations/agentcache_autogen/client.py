@@ -77,14 +77,17 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         session: str | None = None,
         max_tokens: int = 64,
         temperature: float = 0.0,
-        stop: Sequence[str] = TRANSCRIPT_STOP,
+        stop: Sequence[str] = (),
     ) -> None:
+        """`stop`: the caller's stop strings; they join the transcript's own stop, never replace it."""
         if not isinstance(runtime, Runtime):
             raise TypeError(f"runtime must be an agentcache Runtime, got {type(runtime).__name__}")
         self.runtime = runtime
         self.agent = agent
         self.session = session
-        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=tuple(stop))
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                       stop=tuple(dict.fromkeys((*TRANSCRIPT_STOP, *stop))))
         self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._usage_lock = threading.Lock()

@@ -67,7 +67,7 @@ class AgentCacheChatModel(BaseChatModel):
     session: str | None = None  # None: the LangGraph thread_id when called inside a graph
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
-    stop: tuple[str, ...] = TRANSCRIPT_STOP
+    stop: tuple[str, ...] = ()  # the caller's stop strings: they join the transcript's own stop, never replace it
 
     @property
     def _llm_type(self) -> str:
@@ -77,13 +77,18 @@ class AgentCacheChatModel(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.runtime.engine.model_name, "strategy": self.runtime.strategy.name,
                 "agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "stop": list(self.stop)}
+                "stop": list(self._stops())}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "agentcache"
         params["ls_model_name"] = self.runtime.engine.model_name
         return params
+
+    def _stops(self, per_call: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The transcript's stop (without it the model writes other agents' turns), the model's own
+        stop strings and the call's, in order, without repeats."""
+        return tuple(dict.fromkeys((*TRANSCRIPT_STOP, *self.stop, *(per_call or ()))))
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` with the runtime's own tokenizer."""
@@ -124,7 +129,7 @@ class AgentCacheChatModel(BaseChatModel):
         if unknown:
             raise TypeError(f"AgentCacheChatModel got unknown keyword arguments {unknown}; "
                             f"it takes {list(_SAMPLING_KWARGS)} and stop")
-        stops = tuple(dict.fromkeys((*self.stop, *(stop or ()))))  # in order, without repeats
+        stops = self._stops(stop)
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature}
         options.update({k: kwargs[k] for k in _SAMPLING_KWARGS if k in kwargs})
         sampling = SamplingParams(stop=stops, **options)
