@@ -285,9 +285,10 @@ class EmbeddedEngine:
             # position -> digest of every token before it; what a segment ending there is exact for
             digests = prefix_digests(prompt, ends, self._model_key)
 
-            lineage_from = next((i * bs for i, b in enumerate(chain) if not b.exact), hit)  # approximate hit blocks
+            # where the hit's lineage (approximate) blocks begin: every block after one is approximate too
+            lineage_from = next((i * bs for i, b in enumerate(chain) if not b.exact), hit)
             logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, digests)
-            approx_positions = [i * bs for i, b in enumerate(chain) if not b.exact] + [first_inject_approx]
+            approx_positions = ([lineage_from] if lineage_from < hit else []) + [first_inject_approx]
             first_approx = min((p for p in approx_positions if p is not None), default=None)
 
             generated, text, finish, ttft = self._decode(cache, logits, sampling, started, request.on_token)
