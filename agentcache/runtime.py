@@ -129,7 +129,7 @@ class Runtime:
         self.sessions = SessionTable(self.config.max_sessions, self.config.session_entries, self._forget_session)
         self._waiting = 0  # calls that entered `run` and wait for the lock: a warm-up must not delay them
         self._waiting_lock = threading.Lock()
-        self._id = uuid.uuid4().hex
+        self.id = uuid.uuid4().hex  # names this runtime (its lineages, configs that run on it)
         self._lock = threading.RLock()
         self.recorder = recorder
         self._own_learner: TransitionLearner | None = None
@@ -350,7 +350,7 @@ class Runtime:
     def _lineage(self, call: AgentCall) -> str:
         """Salt for the approximate KV a call caches: only this agent's later calls in the same
         runtime, tenant and session may be served from it."""
-        return lineage_salt(self._id, Scope(call.tenant, call.session), call.agent)
+        return lineage_salt(self.id, Scope(call.tenant, call.session), call.agent)
 
     @staticmethod
     def _engine_session(call: AgentCall) -> str | None:

@@ -187,7 +187,7 @@ def test_repeated_team_runs_reuse_shared_segments():
 
 # --- 2. one client per agent --------------------------------------------------------------------
 
-def test_for_agent_outside_a_team_and_no_agent_is_an_error():
+def test_for_agent_outside_a_team_and_the_default_agent():
     rt = runtime()
     client = AgentCacheChatCompletionClient(rt, max_tokens=4)
     planner = client.for_agent("planner")
@@ -201,11 +201,15 @@ def test_for_agent_outside_a_team_and_no_agent_is_an_error():
     asyncio.run(client.for_agent("local", session="trip-1").create(msgs(system=SYSTEM["local"])))
     assert (rt.events[-1].agent, rt.events[-1].session) == ("local", "trip-1")
 
-    with pytest.raises(ValueError, match="cannot tell which agent is calling"):
-        asyncio.run(client.create(msgs()))
-    with pytest.raises(ValueError, match="agent='planner'"):
-        client.to_call(msgs())
-    assert len(rt.events) == len(rt.results) == 2  # the refused call never reached the runtime
+    # a bare create names no agent: the client's default agent calls
+    asyncio.run(client.create(msgs()))
+    assert rt.results[-1].agent == "assistant" and client.to_call(msgs()).agent == "assistant"
+    writer = AgentCacheChatCompletionClient(rt, default_agent="writer")
+    assert writer.to_call(msgs()).segments[-1].text.endswith("### writer\n")
+    for bad in ("", "  ", 3):
+        with pytest.raises(ValueError, match="default_agent"):
+            AgentCacheChatCompletionClient(rt, default_agent=bad)
+    assert len(rt.events) == len(rt.results) == 3
 
 
 def test_caller_inside_a_handler():

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import operator
+import warnings
 from typing import Annotated, TypedDict
 
 import pytest
 from conftest import make_engine, text_of_length
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-from langgraph.graph import END, START, StateGraph
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Send
 
 from agentcache import STRATEGIES, Runtime, RuntimeConfig
@@ -327,10 +328,9 @@ def test_bad_input_is_refused_and_the_runtime_keeps_working():
     with pytest.raises(TypeError, match="unknown keyword arguments"):
         model.invoke(prompt, top_k=3)
     still_runs()
-    with pytest.raises(ValueError, match="agent_node"):
-        AgentCacheChatModel(runtime=rt).invoke(prompt)
-    with pytest.raises(ValueError, match="agent_node"):
-        list(AgentCacheChatModel(runtime=rt).stream(prompt))
+    with pytest.raises(UnsupportedFeatureError, match="cannot switch weights"):
+        model.invoke(prompt, model="gpt-4o")
+    assert model.invoke(prompt, model="tiny-llama").name == "solo"  # its own model is no switch
     still_runs()
     assert asyncio.run(model.ainvoke(prompt)).name == "solo"
 
@@ -341,3 +341,38 @@ def test_a_callers_stop_strings_join_the_transcript_stop(stop, call_stop, want):
     model = AgentCacheChatModel(runtime=make_runtime(), agent="solo", max_tokens=2, stop=stop)
     prepared = model._prepare([HumanMessage("hi")], call_stop, {})
     assert prepared.sampling.stop == want  # without "\n###" the model would write other agents' turns
+
+
+def test_the_calling_agent_without_a_decorator():
+    """Outside a graph with no `agent=`: the default agent. In a graph: the node the call runs in,
+    unless `agent=` or an @agent_node says otherwise. `create_react_agent` needs nothing more."""
+    from langgraph.prebuilt import create_react_agent
+
+    rt = make_runtime()
+    plain = AgentCacheChatModel(runtime=rt, max_tokens=3)
+    prompt = [HumanMessage("Name a colour.")]
+    assert plain.invoke(prompt).name == "assistant"
+    assert [r.agent for r in rt.results] == ["assistant"]
+
+    def node(state):
+        return {"messages": [plain.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("critic", node)
+    graph.add_node("named", lambda state: {"messages": [plain.model_copy(update={"agent": "editor"}).invoke(
+        state["messages"])]})
+    graph.add_node("decorated", agent_node("writer")(node))
+    graph.add_edge(START, "critic")
+    graph.add_edge("critic", "named")
+    graph.add_edge("named", "decorated")
+    graph.compile().invoke({"messages": prompt}, {"configurable": {"thread_id": "doc-1"}})
+    assert [(r.agent, r.session) for r in rt.results[1:]] == [("critic", "doc-1"), ("editor", "doc-1"),
+                                                              ("writer", "doc-1")]
+    assert [e.caller for e in rt.events][1:] == ["critic", "named", "decorated"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # moved to langchain.agents in LangGraph 1.0, still shipped
+        react = create_react_agent(plain, tools=[])
+    out = react.invoke({"messages": [("user", "Hi there.")]}, {"configurable": {"thread_id": "react-1"}})
+    assert out["messages"][-1].response_metadata[AGENT_KEY] == "agent" == rt.results[-1].agent
+    assert rt.results[-1].session == "react-1"

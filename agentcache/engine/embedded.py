@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -64,6 +65,17 @@ class EngineConfig:
         if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
             raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
         _check_device(self.device)
+
+
+def _source_of(model: LoadedModel | str) -> str | None:
+    """A preset name as it is, a directory as an absolute path; a model loaded by the caller is
+    known only when it is a preset's."""
+    from agentcache.models import PRESETS
+
+    name = model.name if isinstance(model, LoadedModel) else str(model)
+    if name in PRESETS:
+        return name
+    return None if isinstance(model, LoadedModel) else str(Path(name).expanduser().resolve())
 
 
 def _check_device(device: object) -> None:
@@ -121,6 +133,8 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = loaded
+        # what loads these weights again (a preset name or a directory), for configs; None: unknown
+        self.model_source: str | None = _source_of(model)
         self._model_key = loaded.instance_id.encode()
         self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
@@ -156,7 +170,9 @@ class EmbeddedEngine:
             )
         if isinstance(config.eviction, EvictionPolicy) and config.eviction.attached:  # it serves a pool already
             config = replace(config, eviction=config.eviction.fresh())
-        return EmbeddedEngine(self.loaded, config)
+        twin = EmbeddedEngine(self.loaded, config)
+        twin.model_source = self.model_source
+        return twin
 
     # --- text ------------------------------------------------------------------------------
 

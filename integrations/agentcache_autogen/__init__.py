@@ -7,6 +7,7 @@ except ImportError as exc:
                       "with pip install 'agentcache[autogen]' (scripts/setup.sh does)") from exc
 
 from agentcache_autogen.client import (
+    DEFAULT_AGENT,
     SELECTOR,
     AgentCacheChatCompletionClient,
     Caller,
@@ -14,5 +15,7 @@ from agentcache_autogen.client import (
     UnsupportedRequestError,
 )
 
-__all__ = ["AgentCacheChatCompletionClient", "Caller", "SELECTOR", "UnsupportedMessageError",
-           "UnsupportedRequestError"]
+from agentcache_autogen.config import AgentCacheClientConfig
+
+__all__ = ["AgentCacheChatCompletionClient", "AgentCacheClientConfig", "Caller", "DEFAULT_AGENT", "SELECTOR",
+           "UnsupportedMessageError", "UnsupportedRequestError"]

@@ -4,13 +4,19 @@
     client = AgentCacheChatCompletionClient(runtime)          # one client for a whole team
     team = SelectorGroupChat([planner, local, ...], model_client=client)
 
-Which agent calls: the client's `agent`, or else the AutoGen agent whose message handler is
-running (a team's participants by name; the team's selector as `selector`). The team's id is
-the session. Messages become segments through `agentcache.transcript`: system messages and tool
+Which agent calls: the client's `agent`; else the AutoGen agent whose message handler is
+running (a team's participants by name; the team's selector as `selector`); else the AutoGen
+chat agent whose code calls the client (`AssistantAgent("helper", client).run(...)` outside a
+team runs as "helper"); else the client's `default_agent` ("assistant"). The team's id is the
+session. Messages become segments through `agentcache.transcript`: system messages and tool
 schemas are PF, a user's message is PH `query`, another agent's message PH `out:<agent>`, the
 caller's own earlier message PH `out:<self>`, and the headers framing each message are PF glue.
 The selector's prompt quotes the conversation inside its own wording: the quoted messages the
 runtime has seen in this session become PH segments, the wording PF.
+
+The client is an AutoGen component: `dump_component()` writes its config (model, strategy, engine
+and runtime options; see `agentcache_autogen.config`) and `load_component` builds it again, the
+clients of one loaded team on one runtime.
 
 What it refuses, with a clear error: images and other non-text content, `json_output`, tool
 calls (`tool_choice="required"` or a specific tool; the runtime only generates text, so
@@ -20,12 +26,14 @@ calls (`tool_choice="required"` or a specific tool; the runtime only generates t
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Literal, Mapping, Sequence
 
-from autogen_core import CancellationToken, FunctionCall, Image, MessageHandlerContext
+from autogen_agentchat.base import ChatAgent
+from autogen_core import CancellationToken, Component, FunctionCall, Image, MessageHandlerContext
 from autogen_core.models import (
     AssistantMessage,
     ChatCompletionClient,
@@ -41,17 +49,22 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 
 from agentcache.engine.protocol import SamplingParams
+from agentcache.errors import InputError
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call
 from agentcache.transcript import TRANSCRIPT_STOP, ChatTurn, UnsupportedMessageError, build_call
 
-__all__ = ["AgentCacheChatCompletionClient", "Caller", "UnsupportedMessageError", "UnsupportedRequestError"]
+from agentcache_autogen.config import DEFAULT_AGENT, AgentCacheClientConfig, remember, runtime_for, runtime_spec
+
+__all__ = ["AgentCacheChatCompletionClient", "Caller", "UnsupportedMessageError", "UnsupportedRequestError",
+           "DEFAULT_AGENT"]
 
 SELECTOR = "selector"
 _MANAGER_SUFFIX = "GroupChatManager"  # AutoGen names a team's manager type "<Kind>GroupChatManager_<team id>"
 _CREATE_ARGS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+_CALLER_FRAMES = 48  # how far up the stack to look for the AutoGen chat agent that calls
 
 
 @dataclass(frozen=True)
@@ -66,26 +79,39 @@ class UnsupportedRequestError(ValueError):
     """A request the runtime cannot honour: JSON output, forced tool calls, unknown create arguments."""
 
 
-class AgentCacheChatCompletionClient(ChatCompletionClient):
+class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheClientConfig]):
     """`ChatCompletionClient` for autogen-core 0.7 that runs every call through `runtime`."""
+
+    component_type = "model"
+    component_config_schema = AgentCacheClientConfig
+    component_provider_override = "agentcache_autogen.AgentCacheChatCompletionClient"
 
     def __init__(
         self,
         runtime: Runtime,
         *,
         agent: str | None = None,
+        default_agent: str = DEFAULT_AGENT,
         session: str | None = None,
         max_tokens: int = 64,
         temperature: float = 0.0,
         stop: Sequence[str] = (),
     ) -> None:
-        """`stop`: the caller's stop strings; they join the transcript's own stop, never replace it."""
+        """`agent`: always call as this agent; `default_agent`: the agent when neither `agent` nor
+        AutoGen names one (a bare `client.create(...)`). `stop`: the caller's stop strings; they join
+        the transcript's own stop, never replace it."""
         if not isinstance(runtime, Runtime):
             raise TypeError(f"runtime must be an agentcache Runtime, got {type(runtime).__name__}")
+        for name, value in (("agent", agent), ("default_agent", default_agent)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InputError(f"AgentCacheChatCompletionClient({name}=...) must be a non-empty agent name, "
+                                 f"got {value!r}")
         self.runtime = runtime
         self.agent = agent
+        self.default_agent = default_agent
         self.session = session
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        self._own_stop = stop
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                        stop=tuple(dict.fromkeys((*TRANSCRIPT_STOP, *stop))))
         self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
@@ -102,13 +128,29 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
     def for_agent(self, agent: str, session: str | None = None) -> "AgentCacheChatCompletionClient":
         """A client on the same runtime that always calls as `agent` (one client per agent)."""
         return AgentCacheChatCompletionClient(
-            self.runtime, agent=agent, session=session or self.session, max_tokens=self.sampling.max_tokens,
-            temperature=self.sampling.temperature, stop=self.sampling.stop)
+            self.runtime, agent=agent, default_agent=self.default_agent, session=session or self.session,
+            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=self._own_stop)
+
+    # --- the component config --------------------------------------------------------------
+
+    def _to_config(self) -> AgentCacheClientConfig:
+        spec = runtime_spec(self.runtime)
+        remember(self.runtime)  # a config loaded in this process runs on this runtime again
+        return AgentCacheClientConfig(
+            **spec, agent=self.agent, default_agent=self.default_agent, session=self.session,
+            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=list(self._own_stop))
+
+    @classmethod
+    def _from_config(cls, config: AgentCacheClientConfig) -> "AgentCacheChatCompletionClient":
+        return cls(runtime_for(config), agent=config.agent, default_agent=config.default_agent,
+                   session=config.session, max_tokens=config.max_tokens, temperature=config.temperature,
+                   stop=config.stop)
 
     # --- who calls -------------------------------------------------------------------------
 
     def caller(self) -> Caller:
-        """Who makes the current call: the client's agent, else the AutoGen agent whose handler runs."""
+        """Who makes the current call: the client's agent, else the AutoGen agent whose handler runs,
+        else the chat agent whose code calls, else the default agent."""
         try:
             agent_id = MessageHandlerContext.agent_id()
         except RuntimeError:
@@ -120,10 +162,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
             manager = name.endswith(_MANAGER_SUFFIX)
             if manager:
                 name = SELECTOR
-        agent = self.agent or name
-        if agent is None:
-            raise ValueError("cannot tell which agent is calling: outside an AutoGen message handler, give the "
-                             "client an agent name (AgentCacheChatCompletionClient(runtime, agent='planner'))")
+        agent = self.agent or name or _calling_chat_agent() or self.default_agent
         session = self.session or (agent_id.key if agent_id is not None else None)  # in a team: the team's id
         return Caller(agent, session, str(agent_id) if agent_id is not None else None, manager)
 
@@ -249,11 +288,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
         return self._total
 
     def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
-        try:
-            caller = self.caller()
-        except ValueError:  # counting outside a handler, for no agent in particular: the cue's name is a guess
-            caller = Caller("counting", self.session, None, False)
-        call = self.to_call(messages, tools, caller=caller)
+        call = self.to_call(messages, tools)
         engine = self.runtime.engine
         tokens = sum(len(list(s.token_ids) if s.token_ids is not None else engine.tokenize(s.text))
                      for s in call.segments)
@@ -270,6 +305,21 @@ class AgentCacheChatCompletionClient(ChatCompletionClient):
     def model_info(self) -> ModelInfo:
         return ModelInfo(vision=False, function_calling=False, json_output=False, family=ModelFamily.UNKNOWN,
                          structured_output=False, multiple_system_messages=True)
+
+
+def _calling_chat_agent() -> str | None:
+    """The name of the AutoGen chat agent whose code makes this call, if any. Outside a team AutoGen
+    runs an agent directly, and the agent object up the stack is the only place that names it."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return None
+        if "self" in frame.f_code.co_varnames[:1]:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, ChatAgent):
+                return candidate.name
+        frame = frame.f_back
+    return None
 
 
 def _text_of(content: str | list[Any], index: int) -> str:

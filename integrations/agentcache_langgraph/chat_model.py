@@ -22,11 +22,12 @@ from agentcache.streaming import astream_call, stream_call
 from agentcache.transcript import TRANSCRIPT_STOP
 
 from agentcache_langgraph.messages import AGENT_KEY, to_call
-from agentcache_langgraph.nodes import current_node, graph_context
+from agentcache_langgraph.nodes import NodeTag, current_node, graph_context
 
-__all__ = ["AgentCacheChatModel", "UnsupportedFeatureError"]
+__all__ = ["AgentCacheChatModel", "UnsupportedFeatureError", "DEFAULT_AGENT"]
 
 FRAMEWORK = "langgraph"
+DEFAULT_AGENT = "assistant"  # who calls when no decorator, `agent=` or graph node names anyone
 _SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed")
 _TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format")
 _IGNORED_KWARGS = ("stream",)  # LangChain's own switch, already acted on when we are called
@@ -47,13 +48,23 @@ class _Prepared:
     event: DispatchEvent
 
 
+def _calling_agent(tag: NodeTag | None, explicit: str | None, node: str | None) -> str:
+    """The innermost `@agent_node`, else the model's `agent=`, else the LangGraph node the call runs in
+    (LangGraph puts its name in the run's metadata), else `DEFAULT_AGENT`."""
+    if tag is not None:
+        return tag.agent
+    return explicit or node or DEFAULT_AGENT
+
+
 class AgentCacheChatModel(BaseChatModel):
     """A chat model served by an `agentcache.Runtime`, for LangGraph nodes.
 
     Messages are laid out with the shared transcript format (`agentcache.transcript`): system
     messages are the agent's private prefix, every other message a shared segment that other
     agents' calls can reuse. The calling agent is the innermost `@agent_node` in effect, else the
-    `agent` field; the session is the `session` field, else the graph run's `thread_id`.
+    `agent` field, else the LangGraph node the call runs in (so `create_react_agent(model, ...)`
+    and plain nodes need nothing more), else `"assistant"`. The session is the `session` field,
+    else the graph run's `thread_id`.
 
     Not supported, and refused with `UnsupportedFeatureError`: `bind_tools` (the runtime emits no
     tool calls; put tool descriptions in the system prompt) and `with_structured_output` (no
@@ -63,7 +74,7 @@ class AgentCacheChatModel(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     runtime: Runtime
-    agent: str | None = None  # the default agent; an enclosing @agent_node overrides it
+    agent: str | None = None  # the calling agent; an enclosing @agent_node overrides it, None: the graph node
     session: str | None = None  # None: the LangGraph thread_id when called inside a graph
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -82,7 +93,8 @@ class AgentCacheChatModel(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "agentcache"
-        params["ls_model_name"] = self.runtime.engine.model_name
+        params["ls_model_name"] = kwargs.get("model") or self.runtime.engine.model_name  # a per-call model wins
+        params["ls_stop"] = list(self._stops(stop))
         return params
 
     def _stops(self, per_call: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -111,11 +123,8 @@ class AgentCacheChatModel(BaseChatModel):
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Prepared:
         """The call, sampling and dispatch event for `messages`, as the current node's agent."""
         tag = current_node()
-        agent = tag.agent if tag is not None else self.agent
-        if not agent:
-            raise ValueError("AgentCacheChatModel does not know which agent is calling: pass agent=... to the "
-                             "model or decorate the LangGraph node with @agent_node(name)")
         thread_id, node = graph_context()
+        agent = _calling_agent(tag, self.agent, node)
         if self.session is None and thread_id is not None and not thread_id.strip():
             raise InputError(f"the LangGraph thread_id is {thread_id!r}; a session needs a non-empty thread_id "
                              "(configurable={'thread_id': 'run-1'}) or none at all")
@@ -125,7 +134,12 @@ class AgentCacheChatModel(BaseChatModel):
         tool_kwargs = sorted(k for k in kwargs if k in _TOOL_KWARGS)
         if tool_kwargs:
             raise UnsupportedFeatureError(f"AgentCacheChatModel got {tool_kwargs}: {_NO_TOOLS}")
-        unknown = sorted(k for k in kwargs if k not in _SAMPLING_KWARGS and k not in _IGNORED_KWARGS)
+        model = kwargs.get("model")
+        if model is not None and model != self.runtime.engine.model_name:
+            raise UnsupportedFeatureError(
+                f"AgentCacheChatModel got model={model!r}, but its runtime serves {self.runtime.engine.model_name!r}; "
+                "a call cannot switch weights: use an AgentCacheChatModel on a runtime of that model")
+        unknown = sorted(k for k in kwargs if k not in (*_SAMPLING_KWARGS, *_IGNORED_KWARGS, "model"))
         if unknown:
             raise TypeError(f"AgentCacheChatModel got unknown keyword arguments {unknown}; "
                             f"it takes {list(_SAMPLING_KWARGS)} and stop")
