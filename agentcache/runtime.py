@@ -42,6 +42,7 @@ from agentcache.scout.policies import SurvivalPolicy
 from agentcache.scout.recorder import TraceRecorder
 from agentcache.scout.warmup import Warmup, WarmupCoordinator
 from agentcache.segments import AgentCall, DispatchEvent, Segment, output_slot
+from agentcache.transcript import ChatML, chat_format
 
 __all__ = ["Runtime", "RuntimeConfig"]
 
@@ -115,6 +116,8 @@ class Runtime:
             raise ValueError("give either an engine or a model, not both")
         self.engine = engine
         self.config = config or RuntimeConfig()
+        # how adapters lay out a chat for this model: its ChatML, else the plain transcript (None)
+        self.chat: ChatML | None = chat_format(engine)
         self.requested_strategy = get_strategy(strategy)
         self.check = check
         self.refusal: str | None = None  # why a requested correcting strategy was refused

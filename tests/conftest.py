@@ -39,3 +39,18 @@ def text_of_length(engine: EmbeddedEngine, words: int, seed: int = 0) -> str:
     ).split()
     rng = random.Random(seed)
     return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+_CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def chatml_engine(**config) -> EmbeddedEngine:
+    """tiny-qwen2 whose byte tokenizer has ChatML's two control tokens and a ChatML chat template,
+    ending a turn with <|im_end|>: the layout of an instruct model, on random weights."""
+    from agentcache.models import load_model
+
+    loaded = load_model("tiny-qwen2")
+    loaded.tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    loaded.tokenizer.chat_template = _CHATML_TEMPLATE
+    loaded.model.config.eos_token_id = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return EmbeddedEngine(loaded, EngineConfig(**{"pool_blocks": 128, **config}))

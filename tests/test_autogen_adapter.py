@@ -496,3 +496,16 @@ def test_constructor_stop_strings_join_the_transcript_stop(stop, want):
     client = AgentCacheChatCompletionClient(runtime(), agent="planner", stop=stop)
     _, sampling, _ = client._request([UserMessage(content=TASK, source="user")], [], "auto", None, {})
     assert sampling.stop == want and client.for_agent("local").sampling.stop == want
+
+
+def test_a_chatml_model_gets_its_own_frames_and_no_transcript_stop():
+    from tests.conftest import chatml_engine
+
+    rt = Runtime(chatml_engine(), config=RuntimeConfig(self_check=False))
+    client = AgentCacheChatCompletionClient(rt, max_tokens=3, stop=["END"])
+    assert client.sampling.stop == ("END",)
+    call = client.to_call(msgs())
+    assert call.segments[0].token_ids[0] == rt.chat.start_id
+    assert [s.slot for s in call.segments if s.kind == "ph"] == ["query"]
+    asyncio.run(client.create(msgs()))
+    assert rt.results[-1].agent == "assistant"

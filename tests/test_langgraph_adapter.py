@@ -376,3 +376,17 @@ def test_the_calling_agent_without_a_decorator():
     out = react.invoke({"messages": [("user", "Hi there.")]}, {"configurable": {"thread_id": "react-1"}})
     assert out["messages"][-1].response_metadata[AGENT_KEY] == "agent" == rt.results[-1].agent
     assert rt.results[-1].session == "react-1"
+
+
+def test_a_chatml_model_gets_its_own_frames_and_no_transcript_stop():
+    from conftest import chatml_engine
+
+    rt = Runtime(chatml_engine(), config=RuntimeConfig(self_check=False))
+    model = AgentCacheChatModel(runtime=rt, max_tokens=3, stop=["END"])
+    reply = model.invoke([SystemMessage("You answer."), HumanMessage("Name a colour.")])
+    assert model._stops() == ("END",)  # the model's end-of-turn token ends a turn, no header stop
+    call = to_call([SystemMessage("You answer."), HumanMessage("Name a colour.")], "assistant", None, rt.chat)
+    cue = rt.chat.opener("assistant")
+    assert call.segments[0].token_ids[0] == rt.chat.start_id and list(call.segments[-1].token_ids[-len(cue):]) == cue
+    assert [s.slot for s in call.segments if s.kind == "ph"] == ["query"]
+    assert reply.response_metadata["prompt_tokens"] == rt.results[-1].prompt_tokens

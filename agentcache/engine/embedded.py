@@ -189,6 +189,14 @@ class EmbeddedEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def control_token_id(self, spelling: str) -> int | None:
+        return self._literal.control_id(spelling)
+
     # --- KV helpers -------------------------------------------------------------------------
 
     @property

@@ -185,6 +185,16 @@ class Engine(Protocol):
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (its tokenizer's Jinja source), None when it has none."""
+        ...
+
+    def control_token_id(self, spelling: str) -> int | None:
+        """The id of the control token spelled `spelling` (`<|im_start|>`), for a chat template's
+        markers; None when the vocabulary has no such control token."""
+        ...
+
     def cached_prefix_length(
         self, token_ids: Sequence[int], lineage: str | None = None, cache_salt: str | None = None
     ) -> int: ...

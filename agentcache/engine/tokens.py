@@ -23,8 +23,13 @@ class LiteralTokenizer:
         self._tokenizer = tokenizer
         special = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special and t.content}
         self.control_ids = frozenset(special)
+        self._control_by_spelling = {content: i for i, content in special.items()}
         contents = sorted(set(special.values()), key=len, reverse=True)
         self._control_text = re.compile("|".join(map(re.escape, contents))) if contents else None
+
+    def control_id(self, spelling: str) -> int | None:
+        """The id of the control token spelled exactly `spelling`, or None."""
+        return self._control_by_spelling.get(spelling)
 
     def encode(self, text: str) -> list[int]:
         ids = self._encode(text)

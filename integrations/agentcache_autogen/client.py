@@ -54,7 +54,7 @@ from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call
-from agentcache.transcript import TRANSCRIPT_STOP, ChatTurn, UnsupportedMessageError, build_call
+from agentcache.transcript import ChatTurn, UnsupportedMessageError, build_call, stop_strings
 
 from agentcache_autogen.config import DEFAULT_AGENT, AgentCacheClientConfig, remember, runtime_for, runtime_spec
 
@@ -113,7 +113,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         self._own_stop = stop
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                       stop=tuple(dict.fromkeys((*TRANSCRIPT_STOP, *stop))))
+                                       stop=tuple(dict.fromkeys((*stop_strings(runtime.chat), *stop))))
         self._actual = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._total = RequestUsage(prompt_tokens=0, completion_tokens=0)
         self._usage_lock = threading.Lock()
@@ -194,7 +194,8 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         # A team manager's prompt is its own wording around quoted messages: split out what is shared.
         known = self.runtime.shared_texts(caller.session) if caller.manager else None
         schemas = [tool.schema if isinstance(tool, Tool) else tool for tool in tools]
-        return build_call(agent, system, turns, tools=schemas, session=caller.session, known=known)
+        return build_call(agent, system, turns, tools=schemas, session=caller.session, known=known,
+                          chat=self.runtime.chat)
 
     def _request(
         self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,

@@ -19,7 +19,7 @@ from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call, stream_call
-from agentcache.transcript import TRANSCRIPT_STOP
+from agentcache.transcript import stop_strings
 
 from agentcache_langgraph.messages import AGENT_KEY, to_call
 from agentcache_langgraph.nodes import NodeTag, current_node, graph_context
@@ -100,7 +100,7 @@ class AgentCacheChatModel(BaseChatModel):
     def _stops(self, per_call: Sequence[str] | None = None) -> tuple[str, ...]:
         """The transcript's stop (without it the model writes other agents' turns), the model's own
         stop strings and the call's, in order, without repeats."""
-        return tuple(dict.fromkeys((*TRANSCRIPT_STOP, *self.stop, *(per_call or ()))))
+        return tuple(dict.fromkeys((*stop_strings(self.runtime.chat), *self.stop, *(per_call or ()))))
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` with the runtime's own tokenizer."""
@@ -148,7 +148,7 @@ class AgentCacheChatModel(BaseChatModel):
         options.update({k: kwargs[k] for k in _SAMPLING_KWARGS if k in kwargs})
         sampling = SamplingParams(stop=stops, **options)
 
-        call = to_call(messages, agent, session)
+        call = to_call(messages, agent, session, self.runtime.chat)
         event = DispatchEvent(agent=agent, session=session, framework=FRAMEWORK, caller=caller,
                               messages=len(messages))
         return _Prepared(call, sampling, event)

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
 from agentcache.segments import AgentCall
-from agentcache.transcript import ChatTurn, UnsupportedMessageError, build_call
+from agentcache.transcript import ChatML, ChatTurn, UnsupportedMessageError, build_call
 
 __all__ = ["to_call", "to_turns", "AGENT_KEY"]
 
@@ -69,7 +69,7 @@ def to_turns(messages: Sequence[BaseMessage], agent: str) -> tuple[list[str], li
     return system, turns
 
 
-def to_call(messages: Sequence[Any], agent: str, session: str | None) -> AgentCall:
-    """The agent call `agent` makes after reading `messages`."""
+def to_call(messages: Sequence[Any], agent: str, session: str | None, chat: ChatML | None = None) -> AgentCall:
+    """The agent call `agent` makes after reading `messages` (in the model's ChatML when `chat`)."""
     system, turns = to_turns(messages, agent)
-    return build_call(agent, system, turns, session=session)
+    return build_call(agent, system, turns, session=session, chat=chat)
