@@ -1,8 +1,9 @@
 """Synthetic tasks with checkable answers, and the four-agent workflow the benchmarks run.
 
 Nothing is downloaded: problems are generated from a seed. `fact_problem` hides one code among
-several records (retrieval a small base model can do from context); `arithmetic_problem` is a
-GSM8K-style word problem with a known integer answer.
+several records (retrieval a small base model can do from context), `document_problem` one among
+a long staff directory (2-4K tokens: the long shared context of a document team);
+`arithmetic_problem` is a GSM8K-style word problem with a known integer answer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.segments import AgentCall, Segment, output_slot
 
-__all__ = ["Problem", "fact_problem", "arithmetic_problem", "gsm8k_style_problem", "first_number", "FourAgentWorkflow"]
+__all__ = ["Problem", "fact_problem", "document_problem", "arithmetic_problem", "gsm8k_style_problem", "first_number", "FourAgentWorkflow"]
 
 _NAMES = ["Alice", "Bruno", "Chen", "Dana", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kofi", "Lena",
           "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Yara"]
@@ -39,6 +40,32 @@ def fact_problem(seed: int, records: int = 8) -> Problem:
     target = rng.randrange(records)
     text = "Records:\n" + "\n".join(lines) + f"\nQuestion: What is the {thing} of {names[target]}?"
     return Problem(text, codes[target], f"the {thing} of {names[target]} is")
+
+
+_TEAMS = ["billing", "logistics", "support", "research", "design", "security", "payroll", "sales"]
+_FLOORS = ["first", "second", "third", "fourth", "fifth"]
+
+
+def document_problem(seed: int, people: int = 60) -> Problem:
+    """A long staff directory (about 50 tokens per person: 60 people are about 3,000 Gemma tokens)
+    and a question about one person's locker code: retrieval from a long shared document, with
+    other numbers about everyone around it. Names repeat with distinct surnames, so only the full
+    name identifies the person."""
+    rng = random.Random(seed)
+    surnames = ["Silva", "Moreau", "Rossi", "Novak", "Berg", "Costa", "Weber", "Nowak", "Lund", "Ortiz"]
+    full_names = rng.sample([f"{first} {last}" for first in _NAMES for last in surnames], people)
+    codes = rng.sample(range(1000, 10000), people)
+    paragraphs = []
+    for name, code in zip(full_names, codes):
+        city, team, floor = rng.choice(_CITIES), rng.choice(_TEAMS), rng.choice(_FLOORS)
+        paragraphs.append(
+            f"{name} works in the {city} office on the {floor} floor and has been on the {team} team for "
+            f"{rng.randint(2, 19)} years. The locker code of {name} is {code}. {name.split()[0]} takes "
+            f"{rng.randint(10, 60)} minutes to get to work.")
+    target = rng.randrange(people)
+    text = ("Staff directory\n\n" + "\n".join(paragraphs)
+            + f"\n\nQuestion: What is the locker code of {full_names[target]}?")
+    return Problem(text, codes[target], f"the locker code of {full_names[target]} is")
 
 
 def arithmetic_problem(seed: int) -> Problem:

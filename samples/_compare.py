@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -12,7 +13,7 @@ from typing import Any, Sequence
 from agentcache import EmbeddedEngine, Runtime, check_model
 from agentcache.metrics import CallResult, summarize
 
-__all__ = ["StrategyRuns", "figures", "format_table", "write_report"]
+__all__ = ["StrategyRuns", "agent_means", "figures", "format_table", "progress", "write_report"]
 
 
 @dataclass
@@ -24,10 +25,12 @@ class StrategyRuns:
     strategies: Sequence[str]
     progress: bool = True
     runtimes: dict[str, Runtime] = field(init=False)
+    setup_s: float = field(init=False)  # loading and checking the model
 
     def __post_init__(self) -> None:
         from tqdm import tqdm
 
+        started = time.perf_counter()
         with tqdm(total=2, desc=f"loading {self.model}", unit="step", disable=not self.progress) as bar:
             base = EmbeddedEngine(self.model)
             bar.set_description(f"checking {self.model} (agentcache check)")
@@ -35,12 +38,29 @@ class StrategyRuns:
             check = check_model(base)
             bar.update(1)
         self.runtimes = {s: Runtime(base.with_config(base.config), strategy=s, check=check) for s in self.strategies}
+        self.setup_s = time.perf_counter() - started
 
     def order(self, round_index: int) -> list[str]:
         """The strategies rotated by round, so none always runs first on a warm machine."""
         names = list(self.strategies)
         shift = round_index % len(names)
         return names[shift:] + names[:shift]
+
+
+def progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", disable=not enabled)
+
+
+def agent_means(results: Sequence[CallResult], agents: Sequence[str], *, queued: bool = False) -> dict[str, float | None]:
+    """Each agent's mean TTFT: less the wait behind other calls (what the call itself cost; a
+    fan-out's siblings share one engine), or with it when `queued`."""
+    out = {}
+    for agent in agents:
+        times = [r.ttft_s if queued else r.ttft_s - r.queued_s for r in results if r.agent == agent]
+        out[agent] = sum(times) / len(times) if times else None
+    return out
 
 
 def figures(results: Sequence[CallResult], baseline: Sequence[CallResult] | None) -> dict[str, Any]:

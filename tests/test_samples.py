@@ -1,4 +1,4 @@
-"""The two sample apps run end to end on a tiny model and report what they promise."""
+"""The sample apps run end to end on a tiny model and report what they promise."""
 
 import json
 import subprocess
@@ -36,6 +36,25 @@ def test_samples_run_as_modules(tmp_path):
     report = json.loads((tmp_path / "gsm8k_swarm.json").read_text())
     assert [row["strategy"] for row in report["strategies"]] == ["kvcmas", "nonshared"]  # the baseline is added
     assert (tmp_path / "gsm8k_swarm.png").exists()
+
+
+def test_document_team_shares_the_long_document_and_scores_each_strategy(tmp_path):
+    from samples.document_team.run import print_report, run_batch, stated_code
+    from samples.document_team.graph import AGENTS
+
+    report = run_batch("tiny-llama", documents=2, strategies=("kvcmas", "fullshared"), people=8, warmup=1,
+                       note_tokens=3, answer_tokens=3, progress_bar=False)
+    rows = {row["strategy"]: row for row in report["strategies"]}
+    assert list(rows) == ["kvcmas", "fullshared", "nonshared"] and report["agents"] == list(AGENTS)
+    for row in rows.values():
+        assert row["calls"] == 2 * len(AGENTS)  # the warm-up document is not scored
+        assert 0 <= row["accuracy"] <= 1 and set(row["per_agent_service_s"]) == set(AGENTS)
+    # every later agent reads the document the reader materialized: reused under FullShared, never under NonShared
+    assert rows["fullshared"]["ph_decisions"].get("reused", 0) >= 2 * 3
+    assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.5
+    assert report["mean_prompt_tokens"] > 8 * 40
+    assert stated_code("The locker code of Ana Silva is 4417.") == 4417 and stated_code("on floor 12") is None
+    print_report(report)
 
 
 def _result(agent: str, ttft: float, queued: float = 0.0, reused: int = 0):

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from agentcache.metrics import CallResult
 from agentcache.tasks import first_number, gsm8k_style_problem
 from agentcache_langgraph import AgentCacheChatModel
-from samples._compare import StrategyRuns, figures, format_table, write_report
+from samples._compare import StrategyRuns, agent_means, figures, format_table, write_report
+from samples._compare import progress as progress_bar
 from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
 
 __all__ = ["run_batch", "add_arguments", "run_and_report", "main"]
@@ -52,13 +53,12 @@ def run_batch(
         experts = AgentCacheChatModel(runtime=runtime, max_tokens=expert_tokens)
         decider = AgentCacheChatModel(runtime=runtime, max_tokens=decision_tokens)
         swarms[name] = build_swarm(experts, decider)
-    setup_s = time.perf_counter() - started
 
     answers: dict[str, list[int | None]] = {s: [] for s in strategies}
     calls: dict[str, list[CallResult]] = {s: [] for s in strategies}
     finals: dict[str, list[str]] = {s: [] for s in strategies}
     batch = [gsm8k_style_problem(seed + i) for i in range(problems)]
-    bar = _progress(problems * len(strategies), progress)
+    bar = progress_bar(problems * len(strategies), "GSM8K swarm", progress)
     for index, problem in enumerate(batch):
         for name in runs.order(index):
             bar.set_postfix_str(f"problem {index + 1}, {name}")
@@ -85,11 +85,8 @@ def run_batch(
         base_decision = [r for r in calls[BASELINE] if r.agent == DECISION]
         row["decision_ttft_s"] = sum(r.ttft_s for r in decision) / len(decision)
         row["decision_vs_baseline"] = row["decision_ttft_s"] / (sum(r.ttft_s for r in base_decision) / len(base_decision))
-        row["per_agent_ttft_s"] = {agent: _mean([r.ttft_s for r in calls[name] if r.agent == agent])
-                                   for agent in _AGENT_ORDER}
-        # Less the wait behind sibling experts (the fan-out shares one engine): what each call cost.
-        row["per_agent_service_s"] = {agent: _mean([r.ttft_s - r.queued_s for r in calls[name] if r.agent == agent])
-                                      for agent in _AGENT_ORDER}
+        row["per_agent_ttft_s"] = agent_means(calls[name], list(_AGENT_ORDER), queued=True)
+        row["per_agent_service_s"] = agent_means(calls[name], list(_AGENT_ORDER))
         summary = runtime.summary()
         row["anchor_bytes"] = summary["anchor_bytes"]
         row["faults"] = summary["faults"]
@@ -97,7 +94,7 @@ def run_batch(
         rows.append(row)
     return {
         "model": model, "problems": problems, "seed": seed, "expert_tokens": expert_tokens,
-        "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": setup_s,
+        "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": runs.setup_s,
         "total_s": time.perf_counter() - started, "strategies": rows,
         "examples": [{"question": p.text, "answer": p.answer, **{s: finals[s][i] for s in strategies}}
                      for i, p in enumerate(batch[:3])],
@@ -111,16 +108,6 @@ def stated_answer(text: str) -> int | None:
     """The number after "the answer is", else the first number in the text."""
     match = re.search(r"answer is\s*\$?(-?\d[\d,]*)", text, re.I)
     return int(match.group(1).replace(",", "")) if match else first_number(text)
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="GSM8K swarm", unit="run", disable=not enabled)
 
 
 def plot(report: dict[str, Any]):
