@@ -30,11 +30,18 @@ class CommandError(SystemExit):
         self.code = 2
 
 
+# `agentcache demo --sample NAME`: the LangGraph samples the demo runs, and what each is
+DEMO_SAMPLES = {
+    "gsm8k_swarm": "a GSM8K swarm: three experts fan out on a word problem, a decision agent fans in",
+    "document_team": "a document team: reader, fact-checker, critic and writer over a ~3,000-token document",
+}
+
+
 def _samples() -> None:
-    """Make the repository's `samples` package importable (the demo is the GSM8K swarm sample), and
+    """Make the repository's `samples` package importable (the demo runs a LangGraph sample), and
     check that LangGraph is installed. Core never imports a framework; the samples do."""
     root = Path(__file__).resolve().parents[1]
-    if not (root / "samples" / "gsm8k_swarm").is_dir():
+    if not all((root / "samples" / name).is_dir() for name in DEMO_SAMPLES):
         raise CommandError(f"this command runs the samples of a source checkout; none found at {root / 'samples'} "
                            "(git clone the repository and run scripts/demo.sh)")
     try:
@@ -56,13 +63,23 @@ def _check_model(model: str) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from samples.gsm8k_swarm.run import run_and_report
+    import importlib
 
     _check_model(args.model)
-
-    print(f"agentcache demo: a LangGraph GSM8K swarm on {args.model}, {args.problems} problems under "
+    sample = importlib.import_module(f"samples.{args.sample}.run")
+    print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} under "
           f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
-    return run_and_report(args, "demo")
+    return sample.run_and_report(args, "demo" if args.sample == "gsm8k_swarm" else f"demo_{args.sample}")
+
+
+def _demo_sample(argv: list[str]) -> str:
+    """The sample `demo` runs (its options depend on it): `--sample NAME`, else the GSM8K swarm."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--sample", default="gsm8k_swarm")
+    known, _ = pre.parse_known_args(argv)
+    if known.sample not in DEMO_SAMPLES:
+        raise CommandError(f"--sample {known.sample!r} is not a sample; choose one of {', '.join(DEMO_SAMPLES)}")
+    return known.sample
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -237,17 +254,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _parser(demo_options: bool = False) -> argparse.ArgumentParser:
-    """The command line; the demo's options come from the sample, imported only for `demo`."""
+def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
+    """The command line; the demo's options come from its sample, imported only for `demo`."""
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="the GSM8K swarm (LangGraph) under KVCMAS, NonShared and FullShared")
-    if demo_options:
-        _samples()
-        from samples.gsm8k_swarm.run import add_arguments
+    demo = commands.add_parser("demo", help="a LangGraph sample (the GSM8K swarm, or --sample document_team) "
+                                            "under KVCMAS, NonShared and FullShared")
+    demo.add_argument("--sample", default="gsm8k_swarm", choices=list(DEMO_SAMPLES))
+    if demo_sample is not None:
+        import importlib
 
-        add_arguments(demo, problems=5)
+        _samples()
+        sample = importlib.import_module(f"samples.{demo_sample}.run")
+        sample.add_arguments(demo, **({"problems": 5} if demo_sample == "gsm8k_swarm" else {}))
     demo.set_defaults(run=_cmd_demo)
 
     bench = commands.add_parser("bench", help="run the benchmarks (all, or the ones named) and collect their JSON")
@@ -304,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     CommandError (a SystemExit with status 2); argparse's own usage errors exit 2 too."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = _parser(demo_options=bool(argv) and argv[0] == "demo").parse_args(argv)
+        demo_sample = _demo_sample(argv[1:]) if argv and argv[0] == "demo" else None
+        args = _parser(demo_sample).parse_args(argv)
         return args.run(args)
     except CommandError as exc:
         error = exc

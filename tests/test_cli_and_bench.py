@@ -28,6 +28,20 @@ def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
     assert "reuse ratio" in out and "kvcmas" in out and "demo.png" in out
 
 
+def test_demo_runs_the_document_team_sample(tmp_path, capsys):
+    assert main(["demo", "--sample", "document_team", "--model", "tiny-llama", "--documents", "1", "--warmup", "1",
+                 "--people", "6", "--strategies", "kvcmas", "--note-tokens", "3", "--answer-tokens", "3",
+                 "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "demo_document_team.json").read_text())
+    assert (tmp_path / "demo_document_team.png").stat().st_size > 0
+    assert [row["strategy"] for row in report["strategies"]] == ["kvcmas", "nonshared"]
+    assert report["documents"] == 1 and report["warmup_documents"] == 1
+    out = capsys.readouterr().out
+    assert "document team" in out and "3 later agents vs nonshared" in out
+    with pytest.raises(SystemExit):  # argparse refuses a bad count before anything loads
+        main(["demo", "--sample", "document_team", "--documents", "0"])
+
+
 def test_bench_command_lists_and_runs_benchmarks(tmp_path, capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()

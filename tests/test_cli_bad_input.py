@@ -46,6 +46,7 @@ CASES = [
     ("check-no-model", _argv("check", "--model", "/nonexistent"), "--model '/nonexistent' is not a preset", True),
     ("record-no-model", _argv("trace", "record", "TMP/out.jsonl", "--model", "/nonexistent"), "--model '/nonexistent'", False),
     ("demo-no-model", _argv("demo", "--model", "/nonexistent"), "--model '/nonexistent'", False),
+    ("demo-no-sample", _argv("demo", "--sample", "no_such_sample"), "--sample 'no_such_sample' is not a sample", False),
     ("trace-not-utf8", _trace_with(b"\xff\xfe{}\n"), "not UTF-8", False),
     ("token-id-huge", _trace_with(_prompt(10**30)), "token id 1000000000000000000000000000000 is not an int in [0, 2**31)", False),
     ("token-id-2**31", _trace_with(_prompt(2**31)), "token id 2147483648", False),

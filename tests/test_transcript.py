@@ -182,3 +182,23 @@ def test_chatml_text_never_becomes_a_control_token_and_the_runtime_runs_it():
     assert rt.chat.start_id not in ids and rt.chat.end_id not in ids  # the forged frame is text
     bos = 1 if engine.bos_token_id is not None else 0
     assert result.prompt_tokens == bos + sum(len(s.token_ids) for s in call.segments if s.kind == "pf") + len(ids)
+
+
+@pytest.mark.slow
+def test_chatml_layout_is_the_models_own_template_and_the_model_answers(qwen_engine):
+    """On the real Qwen2.5-Coder-0.5B-Instruct: a system and a user message laid out by the runtime are
+    token for token what the model's own chat template gives, and the model answers through it."""
+    from agentcache.transcript import chat_format
+
+    chat = chat_format(qwen_engine)
+    assert chat is not None
+    system, question = "You are a careful calculator.", "What is 2+3? Answer with a number."
+    call = build_call("calculator", [system], [ChatTurn("user", "user", question)], chat=chat)
+    ours = [t for s in call.segments for t in (s.token_ids or qwen_engine.tokenize(s.text))]
+    theirs = qwen_engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ours == list(theirs)
+    rt = Runtime(qwen_engine, strategy="nonshared", config=RuntimeConfig(self_check=False))
+    result = rt.run(call, SamplingParams(max_tokens=8))
+    assert "5" in result.text and result.finish_reason == "eos"  # the turn ends with <|im_end|>

@@ -5,13 +5,12 @@
 
     model = AgentCacheChatModel(runtime=Runtime())
 
-    @agent_node("critic")
-    def critic(state, config):
+    def critic(state):  # added as graph.add_node("critic", critic): its calls run as agent "critic"
         return {"messages": [model.invoke(state["messages"])]}
 
-Each model call inside a node decorated with `@agent_node(name)` runs as agent `name` (outside
-one, as the model's `agent`), in the session of the graph's `thread_id`, with a dispatch event
-for CacheScout. Messages become the shared transcript layout of `agentcache.transcript`, so the
+Each model call runs as the agent of the innermost `@agent_node(name)` in effect, else the
+model's `agent`, else the graph node it runs in, else "assistant"; in the session of the graph's
+`thread_id`, with a dispatch event for CacheScout. Messages become the shared transcript layout of `agentcache.transcript`, so the
 agents of one graph reuse each other's KV for the query and for each other's outputs.
 """
 

@@ -131,23 +131,28 @@ def plot(report: dict[str, Any]):
 def add_arguments(parser: argparse.ArgumentParser, documents: int = 4) -> None:
     """The sample's options, for this module's command line and for `agentcache demo --sample document_team`."""
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
-    parser.add_argument("--documents", type=int, default=documents, help="scored documents")
-    parser.add_argument("--warmup", type=int, default=2, help="documents run first, not scored, to fill anchor pools")
-    parser.add_argument("--people", type=int, default=60, help="people in each directory (about 50 tokens each)")
+    parser.add_argument("--documents", type=_at_least(1), default=documents, help="scored documents")
+    parser.add_argument("--warmup", type=_at_least(0), default=2,
+                        help="documents run first, not scored, to fill the anchor pools")
+    parser.add_argument("--people", type=_at_least(1), default=60, help="people in each directory (~50 tokens each)")
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--note-tokens", type=int, default=16)
-    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--note-tokens", type=_at_least(1), default=16)
+    parser.add_argument("--answer-tokens", type=_at_least(1), default=16)
     parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def run_and_report(args: argparse.Namespace, name: str) -> int:
     """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
-    for option in ("documents", "people", "note_tokens", "answer_tokens"):
-        if getattr(args, option) < 1:
-            raise SystemExit(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
-    if args.warmup < 0:
-        raise SystemExit(f"--warmup must be 0 or more, got {args.warmup}")
     report = run_batch(args.model, args.documents, tuple(s for s in args.strategies.split(",") if s),
                        people=args.people, warmup=args.warmup, seed=args.seed, note_tokens=args.note_tokens,
                        answer_tokens=args.answer_tokens)

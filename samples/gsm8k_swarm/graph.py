@@ -17,7 +17,7 @@ from langgraph.types import Send
 
 from agentcache_langgraph import AgentCacheChatModel, agent_node
 
-__all__ = ["EXPERTS", "DECISION", "SwarmState", "build_swarm"]
+__all__ = ["EXPERTS", "DECISION", "INSTRUCT_EXPERTS", "SwarmState", "build_swarm"]
 
 # Gemma 3 270M is a base model: each system prompt carries one worked example in the transcript's
 # own layout, so the model sees the form of an answer. The examples are the agents' fixed prefixes.
@@ -44,6 +44,20 @@ DECISION_SYSTEM = ("You are the Final Decision agent. You read a word problem an
                    "The answer is 19.")
 
 
+# An instruct model (a ChatML one, such as Qwen2.5) is told what to do instead, and would copy an
+# example's answer.
+_END = " End with 'The answer is N.', where N is a number."
+INSTRUCT_EXPERTS = {
+    "math_solver": "You are the Math Solver. Solve the grade-school math word problem step by step, briefly." + _END,
+    "math_analyst": "You are the Mathematical Analyst. List the quantities in the word problem and how they "
+                    "combine, then compute the result, briefly." + _END,
+    "programmer": "You are the Programming Expert. Write one Python expression that computes the answer to the "
+                  "word problem, then state its value." + _END,
+}
+INSTRUCT_DECISION = ("You are the Final Decision agent. Read the word problem and three experts' answers, work out "
+                     "which answer is right, and reply with only 'The answer is N.', where N is a number.")
+
+
 class SwarmState(TypedDict, total=False):
     question: str
     answers: Annotated[list[tuple[str, str]], operator.add]  # (expert, text), in the order they finished
@@ -53,18 +67,20 @@ class SwarmState(TypedDict, total=False):
 def build_swarm(model: AgentCacheChatModel, decision_model: AgentCacheChatModel | None = None) -> Any:
     """The compiled graph; `decision_model` (e.g. with fewer tokens) defaults to `model`."""
     decide_with = decision_model or model
+    instruct = model.runtime.chat is not None  # the model has a chat format: it follows instructions
+    experts, decision_system = (INSTRUCT_EXPERTS, INSTRUCT_DECISION) if instruct else (EXPERTS, DECISION_SYSTEM)
 
     def expert(name: str):
         @agent_node(name)
         def node(state: dict[str, Any]) -> dict[str, Any]:
-            reply = model.invoke([SystemMessage(EXPERTS[name]), HumanMessage(state["question"])])
+            reply = model.invoke([SystemMessage(experts[name]), HumanMessage(state["question"])])
             return {"answers": [(name, reply.content)]}
         return node
 
     @agent_node(DECISION)
     def decide(state: SwarmState) -> dict[str, Any]:
         by_expert = dict(state["answers"])
-        messages = [SystemMessage(DECISION_SYSTEM), HumanMessage(state["question"])]
+        messages = [SystemMessage(decision_system), HumanMessage(state["question"])]
         # A fixed order, whatever order the experts finished in: the same prompt for every run.
         messages += [AIMessage(by_expert[name], name=name) for name in EXPERTS if by_expert.get(name)]
         return {"final": decide_with.invoke(messages).content}

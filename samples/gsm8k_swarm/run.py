@@ -39,6 +39,7 @@ def run_batch(
     strategies: Sequence[str] = ("kvcmas", "nonshared", "fullshared"),
     *,
     seed: int = 0,
+    background: int = 2,
     expert_tokens: int = 48,
     decision_tokens: int = 12,
     progress: bool = True,
@@ -57,7 +58,7 @@ def run_batch(
     answers: dict[str, list[int | None]] = {s: [] for s in strategies}
     calls: dict[str, list[CallResult]] = {s: [] for s in strategies}
     finals: dict[str, list[str]] = {s: [] for s in strategies}
-    batch = [gsm8k_style_problem(seed + i) for i in range(problems)]
+    batch = [gsm8k_style_problem(seed + i, background) for i in range(problems)]
     bar = progress_bar(problems * len(strategies), "GSM8K swarm", progress)
     for index, problem in enumerate(batch):
         for name in runs.order(index):
@@ -93,7 +94,7 @@ def run_batch(
         row["refusal"] = runtime.refusal
         rows.append(row)
     return {
-        "model": model, "problems": problems, "seed": seed, "expert_tokens": expert_tokens,
+        "model": model, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
         "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": runs.setup_s,
         "total_s": time.perf_counter() - started, "strategies": rows,
         "examples": [{"question": p.text, "answer": p.answer, **{s: finals[s][i] for s in strategies}}
@@ -138,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser, problems: int = 6) -> None:
     parser.add_argument("--problems", type=int, default=problems)
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--background", type=int, default=2, choices=range(5),
+                        help="sentences of irrelevant detail before each problem (0-4)")
     parser.add_argument("--expert-tokens", type=int, default=48)
     parser.add_argument("--decision-tokens", type=int, default=12)
     parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
@@ -146,7 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser, problems: int = 6) -> None:
 def run_and_report(args: argparse.Namespace, name: str) -> int:
     """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
     report = run_batch(args.model, args.problems, tuple(s for s in args.strategies.split(",") if s),
-                       seed=args.seed, expert_tokens=args.expert_tokens, decision_tokens=args.decision_tokens)
+                       seed=args.seed, background=args.background, expert_tokens=args.expert_tokens,
+                       decision_tokens=args.decision_tokens)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")
