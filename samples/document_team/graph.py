@@ -21,8 +21,9 @@ from agentcache_langgraph import AgentCacheChatModel
 __all__ = ["AGENTS", "READER", "REVIEWERS", "WRITER", "DocumentState", "build_team"]
 
 # Gemma 3 270M is a base model: each system prompt carries a short worked example in the
-# transcript's own layout, so the model sees the form of an answer. An instruct model reads it as
-# an instruction with an example.
+# transcript's own layout, so the model sees the form of an answer; every agent's example states
+# the code, since a small model often repeats the latest note. An instruct model reads it as an
+# instruction with an example.
 _EXAMPLE = ("Staff directory\n\nLea Silva works in the Graz office on the first floor. The locker code of Lea "
             "Silva is 4417.\n\nQuestion: What is the locker code of Lea Silva?")
 READER = "reader"
@@ -35,13 +36,14 @@ SYSTEM = {
     "fact_checker": "You are the Fact-Checker. You check the reader's number against the document and state the "
                     f"number the document gives.\n\n### user\n{_EXAMPLE}\n\n### reader\nThe locker code of Lea "
                     "Silva is 4417.\n\n### fact_checker\nThe document says the locker code of Lea Silva is 4417.",
-    "critic": "You are the Critic. You point out anything the reader got wrong or left out, briefly.\n\n"
-              f"### user\n{_EXAMPLE}\n\n### reader\nThe locker code of Lea Silva is 4417.\n\n### critic\n"
-              "The reader quoted the right sentence.",
+    "critic": "You are the Critic. You say whether the reader's answer is the one the document gives, briefly, "
+              f"and restate it.\n\n### user\n{_EXAMPLE}\n\n### reader\nThe locker code of Lea Silva is 4417.\n\n"
+              "### critic\nThe reader is right: the locker code of Lea Silva is 4417.",
     WRITER: "You are the Writer. You read the document, the question and your team's notes, and write the final "
             f"answer in one sentence.\n\n### user\n{_EXAMPLE}\n\n### reader\nThe locker code of Lea Silva is 4417."
-            "\n\n### fact_checker\nThe document says 4417.\n\n### critic\nNothing is missing.\n\n### writer\n"
-            "The locker code of Lea Silva is 4417.",
+            "\n\n### fact_checker\nThe document says the locker code of Lea Silva is 4417.\n\n### critic\nThe "
+            "reader is right: the locker code of Lea Silva is 4417.\n\n### writer\nThe locker code of Lea Silva is "
+            "4417.",
 }
 
 

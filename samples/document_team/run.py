@@ -39,7 +39,7 @@ def run_batch(
     warmup: int = 2,
     seed: int = 0,
     note_tokens: int = 16,
-    answer_tokens: int = 16,
+    answer_tokens: int = 32,
     progress_bar: bool = True,
 ) -> dict[str, Any]:
     """Every document runs through the team once per strategy, the strategies rotated per document.
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser, documents: int = 4) -> None:
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note-tokens", type=_at_least(1), default=16)
-    parser.add_argument("--answer-tokens", type=_at_least(1), default=16)
+    parser.add_argument("--answer-tokens", type=_at_least(1), default=32)  # a sentence and a 4-digit code
     parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
 
 
