@@ -13,7 +13,8 @@ from typing import Any, Sequence
 from agentcache import EmbeddedEngine, Runtime, check_model
 from agentcache.metrics import CallResult, summarize
 
-__all__ = ["StrategyRuns", "agent_means", "figures", "format_table", "progress", "write_report"]
+__all__ = ["StrategyRuns", "agent_means", "answer_scores", "figures", "format_table", "progress", "runtime_figures",
+           "write_report"]
 
 
 @dataclass
@@ -61,6 +62,18 @@ def agent_means(results: Sequence[CallResult], agents: Sequence[str], *, queued:
         times = [r.ttft_s if queued else r.ttft_s - r.queued_s for r in results if r.agent == agent]
         out[agent] = sum(times) / len(times) if times else None
     return out
+
+
+def answer_scores(answers: Sequence[Any], truth: Sequence[Any], baseline: Sequence[Any]) -> dict[str, float]:
+    """`accuracy` (answers equal to the truth) and `agree` (answers equal to the baseline's)."""
+    return {"accuracy": sum(a == t for a, t in zip(answers, truth)) / len(truth),
+            "agree": sum(a == b for a, b in zip(answers, baseline)) / len(truth)}
+
+
+def runtime_figures(runtime: Runtime) -> dict[str, Any]:
+    """What a strategy's runtime holds at the end: anchor bytes, faults, and why it refused to correct."""
+    summary = runtime.summary()
+    return {"anchor_bytes": summary["anchor_bytes"], "faults": summary["faults"], "refusal": runtime.refusal}
 
 
 def figures(results: Sequence[CallResult], baseline: Sequence[CallResult] | None) -> dict[str, Any]:

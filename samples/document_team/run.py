@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from agentcache.metrics import CallResult
 from agentcache.tasks import document_problem
 from agentcache_langgraph import AgentCacheChatModel
-from samples._compare import StrategyRuns, agent_means, figures, format_table, progress, write_report
+from samples._compare import (StrategyRuns, agent_means, answer_scores, figures, format_table, progress,
+                              runtime_figures, write_report)
 from samples.document_team.graph import AGENTS, build_team
 
 __all__ = ["run_batch", "add_arguments", "run_and_report", "main", "stated_code"]
@@ -77,18 +78,14 @@ def run_batch(
     for name in strategies:
         mine, base = calls[name], calls[BASELINE]
         row = {"strategy": name, **figures(mine, base if name != BASELINE else None)}
-        row["accuracy"] = sum(a == t for a, t in zip(answers[name], truth)) / documents
-        row["agree"] = sum(a == b for a, b in zip(answers[name], answers[BASELINE])) / documents
+        row.update(answer_scores(answers[name], truth, answers[BASELINE]))
         row["per_agent_ttft_s"] = agent_means(mine, AGENTS, queued=True)
         row["per_agent_service_s"] = agent_means(mine, AGENTS)
         later = [r for r in mine if r.agent != AGENTS[0]]
         base_later = [r for r in base if r.agent != AGENTS[0]]
         row["readers_after_first_vs_baseline"] = (sum(r.ttft_s - r.queued_s for r in later)
                                                   / sum(r.ttft_s - r.queued_s for r in base_later))
-        summary = runs.runtimes[name].summary()
-        row["anchor_bytes"] = summary["anchor_bytes"]
-        row["faults"] = summary["faults"]
-        row["refusal"] = runs.runtimes[name].refusal
+        row.update(runtime_figures(runs.runtimes[name]))
         rows.append(row)
     mean_tokens = sum(r.prompt_tokens for r in calls[BASELINE]) / len(calls[BASELINE])
     return {

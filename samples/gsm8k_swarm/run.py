@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from agentcache.metrics import CallResult
 from agentcache.tasks import first_number, gsm8k_style_problem
 from agentcache_langgraph import AgentCacheChatModel
-from samples._compare import StrategyRuns, agent_means, figures, format_table, write_report
+from samples._compare import StrategyRuns, agent_means, answer_scores, figures, format_table, runtime_figures, write_report
 from samples._compare import progress as progress_bar
 from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
 
@@ -80,18 +80,14 @@ def run_batch(
     for name in strategies:
         runtime = runs.runtimes[name]
         row = {"strategy": name, **figures(calls[name], calls[BASELINE] if name != BASELINE else None)}
-        row["accuracy"] = sum(a == t for a, t in zip(answers[name], truth)) / problems
-        row["agree"] = sum(a == b for a, b in zip(answers[name], answers[BASELINE])) / problems
+        row.update(answer_scores(answers[name], truth, answers[BASELINE]))
         decision = [r for r in calls[name] if r.agent == DECISION]
         base_decision = [r for r in calls[BASELINE] if r.agent == DECISION]
         row["decision_ttft_s"] = sum(r.ttft_s for r in decision) / len(decision)
         row["decision_vs_baseline"] = row["decision_ttft_s"] / (sum(r.ttft_s for r in base_decision) / len(base_decision))
         row["per_agent_ttft_s"] = agent_means(calls[name], list(_AGENT_ORDER), queued=True)
         row["per_agent_service_s"] = agent_means(calls[name], list(_AGENT_ORDER))
-        summary = runtime.summary()
-        row["anchor_bytes"] = summary["anchor_bytes"]
-        row["faults"] = summary["faults"]
-        row["refusal"] = runtime.refusal
+        row.update(runtime_figures(runtime))
         rows.append(row)
     return {
         "model": model, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
