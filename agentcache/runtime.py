@@ -29,6 +29,7 @@ import torch
 
 from agentcache.correction.corrector import Corrector, PHDecision
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
+from agentcache.engine.cache_manager import servable_tokens
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
 from agentcache.errors import InputError, KVShapeError, PlanError, RopeAlignmentError, SegmentError
@@ -292,7 +293,7 @@ class Runtime:
             self._warmup_thread = thread
 
     def _prefix_cached(self, prefix: Sequence[int], namespace: str | None) -> bool:
-        servable = (len(prefix) - 1) // self.engine.block_size * self.engine.block_size  # what a hit can cover
+        servable = servable_tokens(len(prefix), self.engine.block_size)
         return self.engine.cached_prefix_length(prefix, cache_salt=namespace) >= servable
 
     def _warm(self, plan: Warmup) -> None:

@@ -28,6 +28,7 @@ from _report import emit  # benchmarks/, the script's own folder
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.eviction import Dispatch, make_policy
 from agentcache.scout import SurvivalPolicy, WorkloadSpec, generate, replay
+from agentcache.engine.cache_manager import CacheManager
 from agentcache.scout.trace_replay import serve
 
 AGENT_COUNTS = (6, 12, 24)
@@ -50,10 +51,12 @@ def measure(agents: int, sessions: int, repeats: int) -> dict:
     blocks = [type("B", (), {"block_id": i})() for i in range(capacity)]
     scorer, learner = policy.scorer, policy.learner
 
+    visit = policy.begin_request(Dispatch(trace.requests[0].prompt, trace.requests[0].agent, "s"))
+
     def touches(n: int) -> None:
         touch = policy.touch
         for i in range(n):
-            touch(blocks[i % capacity])
+            touch(blocks[i % capacity], visit)
 
     source_sets = [tuple({learner.last_session_agent[s] for s in list(learner.last_session_agent)[-k:]}) or (0,)
                    for k in range(1, 5)] + [(a,) for a in range(learner.num_agents)]
@@ -91,12 +94,11 @@ def eviction_pass_us(policy_name: str, blocks: int, repeats: int) -> float:
     of `blocks` blocks filled by a selector trace; the engine runs one pass per request."""
     trace = generate(WorkloadSpec(topology="selector", sessions=max(8, blocks // 40), seed=1))
     pool = BlockPool(blocks, 16, make_policy(policy_name))
+    cache = CacheManager(pool)
     for request in trace:
         if pool.num_used >= 0.9 * blocks:
             break
-        pool.begin_request(request.prompt, request.agent, session=request.session)
-        serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
-        pool.end_request()
+        serve(cache, trace.cached_tokens(request), len(request.prompt), agent=request.agent, session=request.session)
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -33,6 +33,7 @@ from agentcache.scout import (
     prompt_fingerprint,
     replay,
 )
+from agentcache.engine.cache_manager import CacheManager
 from agentcache.scout.trace_replay import serve as replay_serve
 from agentcache.segments import AgentCall, Segment
 from tests.conftest import make_engine
@@ -99,15 +100,15 @@ def drive(trace: Trace, policy, capacity: int, *, flush_every: int = 0):
     for i, r in enumerate(trace):
         tokens = trace.cached_tokens(r)
         full = len(tokens) // BS
-        pool.begin_request(r.prompt, r.agent, session=r.session)
+        visit = pool.begin_request(r.prompt, r.agent, session=r.session)
         chain = pool.match(tokens[: len(r.prompt) - 1])
-        pool.acquire(chain)
+        pool.acquire(chain, visit=visit)
         held = list(chain)
         pool.reserve(full - len(chain))
         assert all(b in pool.blocks() for b in held), "reserve evicted a held block"
         parent = chain[-1] if chain else None
         for k in range(len(chain), full):
-            parent = pool.store(parent, tokens[k * BS : (k + 1) * BS], owner=r.agent)
+            parent = pool.store(parent, tokens[k * BS : (k + 1) * BS], owner=r.agent, visit=visit)
             held.append(parent)
         if flush_every and i % flush_every == 0:
             pool.evict(pool.num_evictable)
@@ -116,8 +117,8 @@ def drive(trace: Trace, policy, capacity: int, *, flush_every: int = 0):
             with pytest.raises(CapacityError):
                 pool.evict(1)
         assert all(b in pool.blocks() for b in held), "a held block was evicted during its request"
+        pool.end_request(visit)
         pool.release(held)
-        pool.end_request()
         hits += len(chain) * BS
         assert_consistent(pool)
         assert len(pool.match(tokens)) == full, "a request that fits was not fully cached"
@@ -458,15 +459,15 @@ def test_scorer_refreshes_only_on_change():
 def serve(pool: BlockPool, agent: str, session: str, tokens: tuple[int, ...], *, warmup: bool = False) -> list:
     """One request: reference the cached chain of `tokens`, cache the rest, release; returns the chain."""
     bs = pool.block_size
-    pool.begin_request(tokens, agent, session=session, warmup=warmup)
+    visit = pool.begin_request(tokens, agent, session=session, warmup=warmup)
     chain = pool.match(tokens)
-    pool.acquire(chain, hit=not warmup)
+    pool.acquire(chain, hit=not warmup, visit=visit)
     held, parent = list(chain), chain[-1] if chain else None
     for k in range(len(chain), len(tokens) // bs):
-        parent = pool.store(parent, tokens[k * bs : (k + 1) * bs], owner=agent)
+        parent = pool.store(parent, tokens[k * bs : (k + 1) * bs], owner=agent, visit=visit)
         held.append(parent)
+    pool.end_request(visit)
     pool.release(held)
-    pool.end_request()
     return pool.match(tokens)
 
 
@@ -519,8 +520,7 @@ def test_warmups_teach_the_learner_nothing():
     a_block = pool.match(PREFIX["A"])[0]
     a_hits, hit_blocks = a_block.hits, pool.stats.hit_blocks
     serve(pool, "A", "s1", PREFIX["A"], warmup=True)  # A's prefix is cached: the warm-up re-references it
-    policy.begin_request(Dispatch(PREFIX["C"], "C", "s2", warmup=True))  # an agent never dispatched
-    policy.end_request()
+    policy.end_request(policy.begin_request(Dispatch(PREFIX["C"], "C", "s2", warmup=True)))  # never dispatched
     after = (learner.dispatches, [list(r) for r in learner.counts], list(learner.row_totals),
              dict(learner.last_session_agent), policy.step)
     assert after == before
@@ -785,11 +785,12 @@ def test_reference_prefills_are_not_agent_dispatches():
 
 def test_serving_a_cached_prompt_on_a_full_pool_evicts_nothing():
     pool = BlockPool(4, 4, "lru")
+    cache = CacheManager(pool)
     first, second = tuple(range(1, 9)), tuple(range(20, 28))
     for tokens in (first, second):
-        replay_serve(pool, tokens, len(tokens), count=True)
+        replay_serve(cache, tokens, len(tokens))
     assert pool.num_used == 4 and pool.num_free == 0
-    replay_serve(pool, first, len(first), count=True)  # its last block is not a hit (the last token is computed)
+    assert replay_serve(cache, first, len(first)) == 4  # its last block is not a hit (the last token is computed)
     assert pool.stats.evictions == 0 and pool.num_used == 4
 
 

@@ -1,6 +1,7 @@
 """Engines: the protocol, the embedded PyTorch engine, RoPE re-alignment, the paged block pool."""
 
-from agentcache.engine.blocks import Block, BlockPool, PoolStats, block_hash
+from agentcache.engine.blocks import Block, BlockPool, CacheEvent, PoolStats, block_hash
+from agentcache.engine.cache_manager import CacheManager, Lease, PrefixHit
 from agentcache.engine.embedded import EmbeddedEngine, EngineConfig
 from agentcache.engine.eviction import EVICTION_POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from agentcache.engine.kv import KVLayout, SegmentKV
@@ -16,7 +17,8 @@ from agentcache.engine.protocol import (
 from agentcache.engine.rope import RopeAligner, rotate_keys
 
 __all__ = [
-    "Block", "BlockPool", "PoolStats", "block_hash",
+    "Block", "BlockPool", "CacheEvent", "PoolStats", "block_hash",
+    "CacheManager", "Lease", "PrefixHit",
     "EmbeddedEngine", "EngineConfig",
     "EVICTION_POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy",
     "KVLayout", "SegmentKV",

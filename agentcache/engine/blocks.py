@@ -16,7 +16,7 @@ import hashlib
 import heapq
 from array import array
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
 from agentcache.engine.kv import KVLayout
 from agentcache.errors import CapacityError
 
-__all__ = ["Block", "BlockCollision", "BlockPool", "PoolStats", "block_hash"]
+__all__ = ["Block", "BlockCollision", "BlockPool", "CacheEvent", "PoolStats", "block_hash"]
 
 _ROOT = b"agentcache-root"
 
@@ -61,6 +61,7 @@ class Block:
     ref_count: int = 0
     num_children: int = 0
     namespace: str | None = None  # exact KV only: whose it is (a tenant's salt); None: shared
+    keeps: int = 0  # (referenced ? 1 : 0) + children with keeps > 0: > 0 means eviction cannot free it
 
     @property
     def exact(self) -> bool:
@@ -73,6 +74,18 @@ class Block:
         while node is not None:
             depth, node = depth + 1, node.parent
         return depth
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A change to what the pool holds, for whoever mirrors it (vLLM reports the same as KV events)."""
+
+    kind: str  # "stored" | "removed"
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    exact: bool  # False: approximate KV of one lineage, never served to another request
+    owner: str | None = None
 
 
 @dataclass
@@ -97,6 +110,7 @@ class BlockPool:
     layout: KVLayout | None = None
     device: torch.device | str = "cpu"
     stats: PoolStats = field(default_factory=PoolStats)
+    listener: Callable[[CacheEvent], None] | None = None  # told of every block stored and removed
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -110,6 +124,7 @@ class BlockPool:
         self._recycled: list[int] = []  # ids freed by eviction; fresh ids come from _next_fresh
         self._next_fresh = 0  # ids are handed out lazily: a huge capacity costs nothing up front
         self._clock = 0
+        self._num_kept = 0  # blocks with keeps > 0, kept current on every reference change
         self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
         if self.layout is not None:
@@ -132,13 +147,7 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         """Blocks that leaf-first eviction can free: unreferenced, with no referenced descendant."""
-        pinned: set[int] = set()
-        for block in self._blocks.values():
-            node = block if block.ref_count > 0 else None
-            while node is not None and node.block_id not in pinned:
-                pinned.add(node.block_id)
-                node = node.parent
-        return len(self._blocks) - len(pinned)
+        return len(self._blocks) - self._num_kept
 
     def can_allocate(self, num_blocks: int) -> bool:
         return self.num_free + self.num_evictable >= num_blocks
@@ -186,25 +195,26 @@ class BlockPool:
 
     def begin_request(
         self, token_ids: Sequence[int], agent: str | None = None, *, session: str | None = None, warmup: bool = False
-    ) -> None:
-        """Tell the eviction policy a request starts: who runs it (None: let it fingerprint the prompt)."""
-        self.policy.begin_request(Dispatch(token_ids, agent, session, warmup))
+    ) -> Any:
+        """Tell the eviction policy a request is admitted: who runs it (None: let it fingerprint the
+        prompt). Returns the request's visit, for `acquire`, `store` and `end_request`."""
+        return self.policy.begin_request(Dispatch(token_ids, agent, session, warmup))
 
-    def end_request(self) -> None:
-        self.policy.end_request()
+    def end_request(self, visit: Any = None) -> None:
+        self.policy.end_request(visit)
 
-    def acquire(self, blocks: Sequence[Block], *, hit: bool = True) -> None:
+    def acquire(self, blocks: Sequence[Block], *, hit: bool = True, visit: Any = None) -> None:
         """Reference blocks for the duration of a call; counts as an access (and a hit)."""
         for block in blocks:
             self._check_member(block)
         now = self._tick()
         touch = self.policy.touch
         for block in blocks:
-            block.ref_count += 1
+            self._reference(block, +1)
             block.last_access = now
             if hit:
                 block.hits += 1
-            touch(block)
+            touch(block, visit)
         if hit:
             self.stats.hit_blocks += len(blocks)
 
@@ -213,7 +223,24 @@ class BlockPool:
             self._check_member(block)
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block.block_id} released more often than acquired")
-            block.ref_count -= 1
+            self._reference(block, -1)
+
+    def _reference(self, block: Block, change: int) -> None:
+        """Change a block's reference count; when it starts or stops being referenced, the blocks
+        kept from eviction (it and its ancestors) change too, as far as the change reaches."""
+        was_referenced = block.ref_count > 0
+        block.ref_count += change
+        if (block.ref_count > 0) == was_referenced:
+            return
+        step = 1 if block.ref_count > 0 else -1
+        node: Block | None = block
+        while node is not None:
+            was_kept = node.keeps > 0
+            node.keeps += step
+            if (node.keeps > 0) == was_kept:
+                break  # its parent already counts it (or never did)
+            self._num_kept += step
+            node = node.parent
 
     def _check_member(self, block: Block) -> None:
         if self._blocks.get(block.block_id) is not block:
@@ -243,6 +270,7 @@ class BlockPool:
         salt: str | None = None,
         namespace: str | None = None,
         owner: str | None = None,
+        visit: Any = None,
     ) -> Block:
         """Cache one full block after `parent` and return it acquired (the caller releases it).
 
@@ -261,29 +289,31 @@ class BlockPool:
         key = block_hash(parent.block_hash if parent else None, tokens, salt, namespace)
         existing = self._index.get(key)
         if self._verified(existing, tokens, parent, salt, namespace):
-            self.acquire([existing], hit=False)
+            self.acquire([existing], hit=False, visit=visit)
             return existing
         if existing is not None:
             raise BlockCollision(f"hash of block after {parent and parent.block_id} collides with block {existing.block_id}")
         if parent is not None:
-            parent.ref_count += 1  # making room must not evict the block we are about to chain to
+            self._reference(parent, +1)  # making room must not evict the block we are about to chain to
         try:
             block_id = self._allocate_id()
         finally:
             if parent is not None:
-                parent.ref_count -= 1
+                self._reference(parent, -1)
         if self.key_storage is not None:
             self.key_storage[block_id] = keys
             self.value_storage[block_id] = values
         now = self._tick()
-        block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, ref_count=1,
-                      namespace=namespace)
+        block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, namespace=namespace)
         self._blocks[block_id] = block
         self._index[key] = block
         if parent is not None:
             parent.num_children += 1
+        self._reference(block, +1)
         self.stats.stored_blocks += 1
-        self.policy.touch(block)
+        self.policy.touch(block, visit)
+        if self.listener is not None:
+            self.listener(CacheEvent("stored", key, parent.block_hash if parent else None, tokens, salt is None, owner))
         return block
 
     # --- eviction -------------------------------------------------------------------------------
@@ -339,6 +369,10 @@ class BlockPool:
         self._recycled.append(block.block_id)
         self.stats.evictions += 1
         self.policy.forget(block)
+        if self.listener is not None:
+            parent = block.parent
+            self.listener(CacheEvent("removed", block.block_hash, parent.block_hash if parent else None,
+                                     block.token_ids, block.exact, block.owner))
 
     def clear(self) -> None:
         """Drop every unreferenced block."""

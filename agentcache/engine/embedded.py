@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from agentcache.engine.blocks import Block, BlockCollision, BlockPool
+from agentcache.engine.blocks import BlockPool
+from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.kv import CallCache, KVLayout, SegmentKV, prefix_digests
 from agentcache.engine.protocol import (
@@ -33,7 +34,6 @@ from agentcache.engine.rope import RopeAligner
 from agentcache.engine.sampling import choose_token, find_stop
 from agentcache.engine.tokens import LiteralTokenizer
 from agentcache.errors import (
-    CapacityError,
     ContextLengthError,
     InputError,
     KVShapeError,
@@ -154,6 +154,7 @@ class EmbeddedEngine:
         )
         _check_pool_fits(capacity, self.layout.bytes_per_token * self.block_size, self.config.device)
         self.pool = BlockPool(capacity, self.block_size, self.config.eviction, self.layout, self.config.device)
+        self.cache = CacheManager(self.pool, enabled=self.config.prefix_caching)
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(self.model)
             self._rope_error: RopeAlignmentError | None = None
@@ -217,11 +218,8 @@ class EmbeddedEngine:
         """Tokens of `token_ids` a call would be served from the prefix cache now, if its leading
         segments (covering `token_ids`) have step PREFIX; the last token is always computed."""
         self._check_ids(token_ids, "cached_prefix_length")
-        if not self.config.prefix_caching or not token_ids:
-            return 0
         with self._lock:
-            blocks = len(self.pool.match(token_ids, lineage, cache_salt))
-        return min(blocks, (len(token_ids) - 1) // self.block_size) * self.block_size
+            return self.cache.cached_prefix_length(token_ids, lineage=lineage, namespace=cache_salt)
 
     def continuation_logits(self, prompt_kv: Sequence[SegmentKV], token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits: feed `token_ids` after a prompt given as its KV (contiguous
@@ -280,7 +278,6 @@ class EmbeddedEngine:
             raise SegmentError(f"{what}: token ids {bad[:5]} are not ints in [0, {self.vocab_size})")
 
     def _execute(self, request: ExecRequest, prompt: list[int], started: float) -> ExecResult:
-        bs = self.block_size
         sampling = request.sampling
 
         lead = 0  # tokens of the leading PREFIX segments, the only ones looked up
@@ -288,29 +285,19 @@ class EmbeddedEngine:
             if seg.step is not Step.PREFIX:
                 break
             lead += len(seg.token_ids)
-        counted = self.config.prefix_caching and not request.warmup
-        if counted:
-            self.pool.stats.lookups += 1
-            self.pool.stats.lookup_blocks += lead // bs
-        if self.config.prefix_caching:
-            self.pool.begin_request(prompt, request.owner, session=request.session, warmup=request.warmup)
-        chain = self.pool.match(prompt[:lead], request.lineage, request.cache_salt) if self.config.prefix_caching else []
-        chain = chain[: (len(prompt) - 1) // bs]  # the last prompt token is always computed for its logits
-        self.pool.acquire(chain, hit=counted)
-        held: list[Block] = list(chain)
+        lease = self.cache.admit(prompt, lead, lineage=request.lineage, namespace=request.cache_salt,
+                                 owner=request.owner, session=request.session, warmup=request.warmup)
         try:
             cache = CallCache(self.layout, len(prompt) + sampling.max_tokens, torch.device(self.config.device))
-            hit = len(chain) * bs
-            if chain:
-                cache.append(*self.pool.gather(chain))
+            hit, lineage_from = lease.hit.tokens, lease.hit.lineage_from
+            if lease.hit.blocks:
+                cache.append(*self.pool.gather(lease.hit.blocks))
             ends = [0]
             for seg in request.segments:
                 ends.append(ends[-1] + len(seg.token_ids))
             # position -> digest of every token before it; what a segment ending there is exact for
             digests = prefix_digests(prompt, ends, self._model_key)
 
-            # where the hit's lineage (approximate) blocks begin: every block after one is approximate too
-            lineage_from = next((i * bs for i, b in enumerate(chain) if not b.exact), hit)
             logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, digests)
             approx_positions = ([lineage_from] if lineage_from < hit else []) + [first_inject_approx]
             first_approx = min((p for p in approx_positions if p is not None), default=None)
@@ -333,17 +320,14 @@ class EmbeddedEngine:
                 end = len(prompt) + len(fed)
                 digests.update(prefix_digests(prompt + fed, [end], self._model_key))
                 generated_kv = self._capture(cache, len(prompt), end, first_approx, digests)
-            if self.config.prefix_caching:
-                self._store_blocks(prompt + fed, cache, chain, first_approx, request, held)
+            self.cache.commit(lease, prompt + fed, cache.view, approximate_from=first_approx)
             return ExecResult(
                 token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=ttft, total_s=time.perf_counter() - started,
                 segments=outcomes, last_logits=logits, generated_kv=generated_kv,
             )
         finally:
-            self.pool.release(held)
-            if self.config.prefix_caching:
-                self.pool.end_request()
+            self.cache.free(lease)
 
     def _materialize(
         self,
@@ -491,39 +475,3 @@ class EmbeddedEngine:
         keys, values = cache.view(begin, end)
         exact = first_approx is None or end <= first_approx
         return SegmentKV(keys.clone(), values.clone(), begin, digests[end] if exact else None)
-
-    def _store_blocks(
-        self,
-        token_ids: list[int],
-        cache: CallCache,
-        chain: list[Block],
-        first_approx: int | None,
-        request: ExecRequest,
-        held: list[Block],
-    ) -> None:
-        """Cache every full block past the hit; each stored block is acquired and added to `held`."""
-        bs = self.block_size
-        parent = chain[-1] if chain else None
-        full_blocks = len(token_ids) // bs  # token_ids are exactly the tokens the call cache holds
-        storable = full_blocks
-        if first_approx is not None and request.lineage is None:
-            storable = min(full_blocks, first_approx // bs)  # approximate KV without a lineage is not cached
-        if storable > len(chain):  # make room in one eviction pass for what is not cached yet
-            cached = len(self.pool.match(token_ids[: storable * bs], request.lineage, request.cache_salt))
-            self.pool.reserve(storable - cached)
-        for index in range(len(chain), full_blocks):
-            begin, end = index * bs, (index + 1) * bs
-            approximate = first_approx is not None and end > first_approx
-            if approximate and request.lineage is None:
-                break  # approximate KV without a lineage is never cached
-            keys, values = cache.view(begin, end)
-            try:
-                block = self.pool.store(
-                    parent, token_ids[begin:end], keys, values,
-                    salt=request.lineage if approximate else None, namespace=request.cache_salt, owner=request.owner,
-                )
-            except (CapacityError, BlockCollision):
-                self.pool.stats.store_skipped += full_blocks - index
-                break
-            held.append(block)
-            parent = block

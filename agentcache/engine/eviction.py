@@ -8,10 +8,14 @@ lives in the policy. The agent-aware policies (TTL pinning, Survival, Belady) li
 
 Hooks the pool calls, all O(1) per block:
   attach(capacity, block_size)   once, when the pool is built (`fresh()` gives a policy for another pool)
-  begin_request(dispatch)        a request starts (who runs it, its prompt, warm-up or not)
-  touch(block)                   the current request acquired or stored `block`
-  end_request()                  the current request finished
+  begin_request(dispatch)        a request is admitted (who runs it, its prompt, warm-up or not);
+                                 returns the request's visit, what `touch` needs to attribute a block
+  touch(block, visit)            the request of `visit` acquired or stored `block` (None: no request)
+  end_request(visit)             that request finished
   forget(block)                  `block` was evicted
+
+Requests overlap in a batching engine, so nothing here may assume one "current" request: all a
+hook knows of its request is the visit it is handed.
 """
 
 from __future__ import annotations
@@ -65,13 +69,13 @@ class EvictionPolicy:
                              "policy (policy.fresh() makes one with the same settings)")
         self.capacity, self.block_size = capacity, block_size
 
-    def begin_request(self, dispatch: Dispatch) -> None:
+    def begin_request(self, dispatch: Dispatch) -> Any:
+        return None
+
+    def touch(self, block: "Block", visit: Any = None) -> None:
         pass
 
-    def touch(self, block: "Block") -> None:
-        pass
-
-    def end_request(self) -> None:
+    def end_request(self, visit: Any = None) -> None:
         pass
 
     def forget(self, block: "Block") -> None:

@@ -44,7 +44,6 @@ class TTLPolicy(EvictionPolicy):
             raise ValueError(f"ttl must be at least 1 dispatch, got {ttl}")
         self.ttl = ttl
         self.step = 0
-        self._touched: list[int] = []
 
     def fresh(self) -> "TTLPolicy":
         return TTLPolicy(self.ttl)
@@ -53,19 +52,19 @@ class TTLPolicy(EvictionPolicy):
         super().attach(capacity, block_size)
         self.pinned_until = array("l", [0] * capacity)
 
-    def begin_request(self, dispatch: Dispatch) -> None:
+    def begin_request(self, dispatch: Dispatch) -> list["Block"]:
         if not dispatch.warmup:
             self.step += 1
-        self._touched = []
+        return []  # the visit: the blocks this request touches
 
-    def touch(self, block: "Block") -> None:
-        self._touched.append(block.block_id)
+    def touch(self, block: "Block", visit: list["Block"] | None = None) -> None:
+        if visit is not None:
+            visit.append(block)
 
-    def end_request(self) -> None:
+    def end_request(self, visit: list["Block"] | None = None) -> None:
         until = self.step + self.ttl
-        for block_id in self._touched:
-            self.pinned_until[block_id] = until
-        self._touched = []
+        for block in visit or ():  # still held by the request: none was evicted meanwhile
+            self.pinned_until[block.block_id] = until
 
     def forget(self, block: "Block") -> None:
         self.pinned_until[block.block_id] = 0
@@ -103,8 +102,6 @@ class SurvivalPolicy(EvictionPolicy):
             active_sessions=c.active_sessions if c.per_session else 1,
         )
         self.step = 0  # dispatches seen (warm-ups excluded)
-        self.current = -1  # index of the agent whose request runs now; -1: unknown
-        self.session: object = None  # the current request's session (or _SHARED for a warm-up)
         self.warmups = 0
 
     def fresh(self) -> "SurvivalPolicy":
@@ -122,31 +119,33 @@ class SurvivalPolicy(EvictionPolicy):
             return dispatch.agent
         return prompt_fingerprint(dispatch.token_ids, self.block_size or 16, self.config.fingerprint_blocks)
 
-    def begin_request(self, dispatch: Dispatch) -> None:
+    def begin_request(self, dispatch: Dispatch) -> tuple[int, object]:
+        """Learn the dispatch; the visit is (agent index or -1 when unknown, session)."""
         agent = self.identify(dispatch)
-        self.session = dispatch.session if self.config.per_session else None
+        session = dispatch.session if self.config.per_session else None
         if dispatch.warmup:  # fills the cache for `agent`, teaches the learner nothing
             self.warmups += 1
             index = self.learner.index.get(agent) if agent is not None else None  # never a new agent
-            self.session = _SHARED  # a prefix warmed for whichever session calls next
+            session = _SHARED  # a prefix warmed for whichever session calls next
         else:
             self.step += 1
             if agent is None:  # too short to fingerprint: nobody to learn from, and the chain breaks
-                self.learner.interrupt(self.session)
+                self.learner.interrupt(session)
                 index = None
             else:
-                index = self.learner.observe(agent, self.session)
+                index = self.learner.observe(agent, session)
             self.scorer.maybe_refresh()
-        self.current = -1 if index is None else index
+        return (-1 if index is None else index, session)
 
-    def touch(self, block: "Block") -> None:
+    def touch(self, block: "Block", visit: tuple[int, object] | None = None) -> None:
+        agent, session = visit if visit is not None else (-1, _SHARED)
         block_id = block.block_id
-        self.agent_of[block_id] = self.current
+        self.agent_of[block_id] = agent
         self.last_step[block_id] = self.step
         owner = self.session_of[block_id]
         if owner is _FRESH:
-            self.session_of[block_id] = self.session
-        elif owner is not _SHARED and owner != self.session:
+            self.session_of[block_id] = session
+        elif owner is not _SHARED and owner != session:
             self.session_of[block_id] = _SHARED
 
     def forget(self, block: "Block") -> None:
@@ -218,6 +217,7 @@ class BeladyPolicy(EvictionPolicy):
     def begin_request(self, dispatch: Dispatch) -> None:
         if not dispatch.warmup:
             self.step += 1
+        return None
 
     def priority(self, block: "Block") -> Any:
         uses = self.uses.get(block.block_hash)

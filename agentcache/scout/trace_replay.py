@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from agentcache.engine.blocks import BlockPool
+from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
 from agentcache.errors import CapacityError
 from agentcache.scout.config import ScoutConfig
@@ -80,6 +81,7 @@ def replay(
     if isinstance(policy, str):
         policy = make_replay_policy(policy, trace, block_size, config)
     pool = BlockPool(capacity, block_size, policy)
+    cache = CacheManager(pool)
     coordinator = None
     if warmup:
         if not isinstance(policy, SurvivalPolicy):
@@ -89,9 +91,7 @@ def replay(
     prompt_tokens = cached_tokens = warmups = warmup_tokens = 0
     for request in trace:
         agent = request.agent if name_agents else None
-        pool.begin_request(request.prompt, agent, session=request.session)
-        hit = serve(pool, trace.cached_tokens(request), len(request.prompt), count=True)
-        pool.end_request()
+        hit = serve(cache, trace.cached_tokens(request), len(request.prompt), agent=agent, session=request.session)
         prompt_tokens += len(request.prompt)
         cached_tokens += hit
 
@@ -101,31 +101,23 @@ def replay(
                 request.session, lambda prefix, _namespace: len(pool.match(prefix)) == len(prefix) // block_size
             )
             if plan is not None:
-                pool.begin_request(plan.prefix, plan.agent if name_agents else None, warmup=True)
-                cached = serve(pool, plan.prefix, len(plan.prefix), count=False)
-                pool.end_request()
+                cached = serve(cache, plan.prefix, len(plan.prefix), agent=plan.agent if name_agents else None,
+                               warmup=True)
                 warmups += 1
                 warmup_tokens += len(plan.prefix) - cached  # what the warm-up had to prefill
     return ReplayResult(label, capacity, len(trace), prompt_tokens, cached_tokens, pool.stats.evictions,
                         warmups, warmup_tokens)
 
 
-def serve(pool: BlockPool, tokens: Sequence[int], prompt_len: int, *, count: bool) -> int:
-    """One request's pool traffic; returns its cached prompt tokens."""
-    bs = pool.block_size
-    chain = pool.match(tokens[: max(0, prompt_len - 1)])
-    pool.acquire(chain, hit=count)
-    held = list(chain)
+def serve(
+    cache: CacheManager, tokens: Sequence[int], prompt_len: int, *, agent: str | None = None,
+    session: str | None = None, warmup: bool = False,
+) -> int:
+    """One request's pool traffic, as the engine drives it: admit the prompt (`tokens[:prompt_len]`),
+    cache every full block of `tokens` (prompt and output), free. Returns its cached prompt tokens."""
+    lease = cache.admit(tokens[:prompt_len], owner=agent, session=session, warmup=warmup)
     try:
-        full = len(tokens) // bs
-        pool.reserve(full - len(pool.match(tokens)))  # blocks past the hit may be cached already
-        parent = chain[-1] if chain else None
-        for index in range(len(chain), full):
-            if not pool.num_free:
-                break  # blocks in use are never evicted: caching stops instead
-            block = pool.store(parent, tokens[index * bs : (index + 1) * bs])
-            held.append(block)
-            parent = block
-        return len(chain) * bs
+        cache.commit(lease, tokens)
+        return lease.hit.tokens
     finally:
-        pool.release(held)
+        cache.free(lease)
