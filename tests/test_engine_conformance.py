@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from agentcache.engine import Engine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
+from agentcache.engine import Engine, EngineConfig, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
 from agentcache.errors import ContextLengthError, KVShapeError, PlanError, SegmentError
 
 from conftest import TINY_PRESETS, make_engine, text_of_length
@@ -111,6 +111,25 @@ def test_injecting_own_exact_kv_equals_dense(engine):
     assert all(o.kv.exact for o in injected.segments)
 
 
+def test_inject_is_trimmed_at_the_prefix_hit_found_at_admission(engine):
+    """A plan injects the whole shared segment; the cache holds exact blocks of part of it (another
+    call computed them): those tokens are served exactly, only the rest is injected."""
+    segments = three_segments(engine, seed=3)
+    sys_ids, query_ids, glue_ids = (s.token_ids for s in segments)
+    engine.execute(ExecRequest([SegmentPlan("warm", list(sys_ids) + list(query_ids[:20]))], GREEDY))
+    dense = engine.with_config(EngineConfig(pool_blocks=64, prefix_caching=False)).execute(
+        ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
+    plan = [SegmentPlan("sys", sys_ids, Step.PREFIX), SegmentPlan("query", query_ids, Step.INJECT, dense.segments[1].kv),
+            SegmentPlan("glue", glue_ids, Step.DENSE)]
+    result = engine.execute(ExecRequest(plan, GREEDY))
+    hit = (len(sys_ids) + 20) // engine.block_size * engine.block_size
+    query = result.segments[1]
+    assert result.cached_tokens == hit > len(sys_ids)
+    assert query.cached_tokens == hit - len(sys_ids) and query.injected_tokens == len(query_ids) - query.cached_tokens
+    assert query.kv.exact and query.lineage_tokens == 0  # exact blocks, then exact KV of the same context
+    assert close(dense.last_logits, result.last_logits) and dense.token_ids == result.token_ids
+
+
 @pytest.mark.parametrize("chunk", [512, 3])
 def test_glue_between_injected_segments_equals_dense(engine, chunk):
     """[sys][A inject][glue][B inject][glue][C inject][ask]: the glue and the ask are computed in one
@@ -119,12 +138,14 @@ def test_glue_between_injected_segments_equals_dense(engine, chunk):
     from agentcache.engine import EngineConfig
 
     engine = engine.with_config(EngineConfig(pool_blocks=64, prefill_chunk=chunk))
+    # the dense reference runs elsewhere: its blocks here would serve the injected segments at admission
+    reference = engine.with_config(EngineConfig(pool_blocks=64, prefill_chunk=chunk, prefix_caching=False))
     parts = [engine.tokenize("System: you are the judge. ", bos=True)]
     for i in range(3):
         parts.append(engine.tokenize(f" Note {i}: " + text_of_length(engine, 10, seed=i)))
         parts.append(engine.tokenize(f" then{i}"))
     names = ["sys"] + [n for i in range(3) for n in (f"note{i}", f"glue{i}")]
-    dense = engine.execute(ExecRequest([SegmentPlan(n, t, Step.DENSE) for n, t in zip(names, parts)], GREEDY))
+    dense = reference.execute(ExecRequest([SegmentPlan(n, t, Step.DENSE) for n, t in zip(names, parts)], GREEDY))
     plan = [SegmentPlan("sys", parts[0], Step.PREFIX)]
     for index in range(1, len(parts)):
         kv = dense.segments[index].kv if names[index].startswith("note") else None
@@ -339,12 +360,12 @@ def test_failure_while_caching_blocks_leaks_no_references(engine, monkeypatch):
 
 
 def test_stop_string_split_across_tokens_is_found(engine, monkeypatch):
-    import agentcache.engine.embedded as embedded
+    import agentcache.engine.scheduler as scheduler
 
     if engine.model_name not in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
         pytest.skip("scripted byte tokens need the byte-level tokenizer")
     script = iter(engine.tokenize("xé!zzzzzz"))  # 'é' is two byte tokens
-    monkeypatch.setattr(embedded, "choose_token", lambda *args: next(script))
+    monkeypatch.setattr(scheduler, "choose_token", lambda *args: next(script))
     result = engine.execute(ExecRequest(three_segments(engine), SamplingParams(max_tokens=8, stop=("é",))))
     assert result.finish_reason == "stop" and result.text == "x"
 

@@ -1,9 +1,10 @@
-"""The embedded engine: HF transformers causal LMs driven by our own prefill and decode loop.
+"""The embedded engine: HF transformers causal LMs driven by our own scheduler and forward passes.
 
-Per call: look up the exact prefix cache over the leading PREFIX segments, copy the hit blocks
-into the call's working cache, then walk the segments, prefilling dense runs in chunks and
-appending injected KV (re-aligned when it was computed elsewhere). Logits are computed for the
-last position only. After decoding, every full block of the call is cached: exact blocks
+Requests are submitted from any thread and run on the engine's loop (`engine.loop`), batched
+(`engine.scheduler`): at admission the prefix hit is found and its blocks are copied into the
+request's working cache; the rest of the prompt is prefilled in chunks around injected KV
+(re-aligned when it was computed elsewhere); decode steps run every decoding request in one
+forward (`engine.batch`). After decoding, every full block of the call is cached: exact blocks
 unsalted, blocks at or after the first approximate token under the call's lineage salt.
 """
 
@@ -11,27 +12,26 @@ from __future__ import annotations
 
 import os
 import threading
-import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy
-from agentcache.engine.kv import CallCache, KVLayout, SegmentKV, prefix_digests
+from agentcache.engine.kv import CallCache, KVLayout, SegmentKV
+from agentcache.engine.loop import EngineLoop
+from agentcache.engine.runner import ModelRunner
+from agentcache.engine.scheduler import BatchScheduler
 from agentcache.engine.protocol import (
     ExecRequest,
     ExecResult,
-    SamplingParams,
-    SegmentOutcome,
-    SegmentPlan,
     Step,
 )
 from agentcache.engine.rope import RopeAligner
-from agentcache.engine.sampling import choose_token, find_stop
 from agentcache.engine.tokens import LiteralTokenizer
 from agentcache.errors import (
     ContextLengthError,
@@ -56,9 +56,11 @@ class EngineConfig:
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
     prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
     device: str = "cpu"
+    max_batch: int = 8  # requests decoded together; 1 runs one request at a time (the serialized baseline)
+    warmup_chunk: int = 64  # prefill tokens per pass of a warm-up: what a real arrival may wait behind
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "pool_bytes", "prefill_chunk"):
+        for name in ("block_size", "pool_bytes", "prefill_chunk", "max_batch", "warmup_chunk"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InputError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -135,7 +137,7 @@ class EmbeddedEngine:
         self.loaded = loaded
         # what loads these weights again (a preset name or a directory), for configs; None: unknown
         self.model_source: str | None = _source_of(model)
-        self._model_key = loaded.instance_id.encode()
+        self.model_key = loaded.instance_id.encode()  # KV digests name the weights that computed them
         self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
         self.tokenizer = loaded.tokenizer
@@ -149,6 +151,7 @@ class EmbeddedEngine:
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self.block_size = self.config.block_size
         self.layout = _layout_of(self.model)
+        self.runner = ModelRunner(self.model, self.layout)
         capacity = self.config.pool_blocks or max(
             1, self.config.pool_bytes // (self.layout.bytes_per_token * self.block_size)
         )
@@ -160,7 +163,9 @@ class EmbeddedEngine:
             self._rope_error: RopeAlignmentError | None = None
         except RopeAlignmentError as exc:
             self._rope, self._rope_error = None, exc
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held by each engine step, and by lookups from other threads
+        self.scheduler = BatchScheduler(self, self.config.max_batch, self.config.warmup_chunk)
+        self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 
     def with_config(self, config: EngineConfig) -> "EmbeddedEngine":
         """Another engine over the same weights, with its own configuration and empty pool."""
@@ -241,12 +246,25 @@ class EmbeddedEngine:
 
     # --- execution ------------------------------------------------------------------------------
 
+    def submit(self, request: ExecRequest) -> Future:
+        """Queue a request; the engine's loop runs it alongside the others. Returns a future of its
+        ExecResult (cancel it to drop a request not yet admitted). A malformed request raises here."""
+        if not isinstance(request, ExecRequest):
+            raise PlanError(f"submit takes an ExecRequest, got {type(request).__name__}")
+        self._validate(request, request.token_ids)
+        return self._loop.submit(request).future
+
     def execute(self, request: ExecRequest) -> ExecResult:
-        started = time.perf_counter()  # TTFT counts waiting for the lock and validating the plan
+        """`submit` and wait for the result."""
+        return self.submit(request).result()
+
+    def _step(self, jobs: list) -> bool:
         with self._lock, torch.inference_mode():
-            prompt = request.token_ids
-            self._validate(request, prompt)
-            return self._execute(request, prompt, started)
+            return self.scheduler.step(jobs)
+
+    def _crash(self, exc: BaseException) -> None:
+        with self._lock:
+            self.scheduler.crash(exc)
 
     def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
         total = len(prompt) + request.sampling.max_tokens
@@ -276,202 +294,3 @@ class EmbeddedEngine:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
             raise SegmentError(f"{what}: token ids {bad[:5]} are not ints in [0, {self.vocab_size})")
-
-    def _execute(self, request: ExecRequest, prompt: list[int], started: float) -> ExecResult:
-        sampling = request.sampling
-
-        lead = 0  # tokens of the leading PREFIX segments, the only ones looked up
-        for seg in request.segments:
-            if seg.step is not Step.PREFIX:
-                break
-            lead += len(seg.token_ids)
-        lease = self.cache.admit(prompt, lead, lineage=request.lineage, namespace=request.cache_salt,
-                                 owner=request.owner, session=request.session, warmup=request.warmup)
-        try:
-            cache = CallCache(self.layout, len(prompt) + sampling.max_tokens, torch.device(self.config.device))
-            hit, lineage_from = lease.hit.tokens, lease.hit.lineage_from
-            if lease.hit.blocks:
-                cache.append(*self.pool.gather(lease.hit.blocks))
-            ends = [0]
-            for seg in request.segments:
-                ends.append(ends[-1] + len(seg.token_ids))
-            # position -> digest of every token before it; what a segment ending there is exact for
-            digests = prefix_digests(prompt, ends, self._model_key)
-
-            logits, spans, first_inject_approx = self._materialize(request.segments, prompt, cache, hit, digests)
-            approx_positions = ([lineage_from] if lineage_from < hit else []) + [first_inject_approx]
-            first_approx = min((p for p in approx_positions if p is not None), default=None)
-
-            generated, text, finish, ttft = self._decode(cache, logits, sampling, started, request.on_token)
-            outcomes = [
-                SegmentOutcome(
-                    name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
-                    cached_tokens=c, computed_tokens=d, injected_tokens=j,
-                    kv=self._capture(cache, s, s + len(seg.token_ids), first_approx, digests)
-                    if request.capture_kv
-                    else None,
-                    lineage_tokens=max(0, min(s + c, hit) - max(s, lineage_from)),
-                )
-                for seg, (s, c, d, j) in zip(request.segments, spans)
-            ]
-            fed = generated[:-1]  # the last generated token was never fed back, so it has no KV
-            generated_kv = None
-            if request.capture_kv and fed:
-                end = len(prompt) + len(fed)
-                digests.update(prefix_digests(prompt + fed, [end], self._model_key))
-                generated_kv = self._capture(cache, len(prompt), end, first_approx, digests)
-            self.cache.commit(lease, prompt + fed, cache.view, approximate_from=first_approx)
-            return ExecResult(
-                token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt),
-                cached_tokens=hit, ttft_s=ttft, total_s=time.perf_counter() - started,
-                segments=outcomes, last_logits=logits, generated_kv=generated_kv,
-            )
-        finally:
-            self.cache.free(lease)
-
-    def _materialize(
-        self,
-        segments: Sequence[SegmentPlan],
-        prompt: list[int],
-        cache: CallCache,
-        hit: int,
-        digests: dict[int, bytes],
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]], int | None]:
-        """Fill the call cache past the prefix hit. Returns the last position's logits, per-segment
-        (start, cached, computed, injected) counts, and the first approximate token position.
-
-        The dense tokens before the first injected segment are prefilled as usual. All injected KV
-        is then placed at its positions, and every dense token after it (the glue between injected
-        segments, the tail) is computed in one scattered pass: each token attends to everything at
-        lower positions, injected or dense. On a CPU a forward pass costs about as much for 5
-        tokens as for 100 (reading the weights dominates), so one pass instead of one per glue
-        segment is what lets reuse pay off for short shared segments."""
-        spans = []
-        dense: list[int] = []  # positions to compute, ascending
-        placed: list[tuple[int, SegmentKV]] = []  # injected KV, re-aligned to its position
-        first_approx = None
-        pos = 0
-        last = len(segments) - 1
-        for index, seg in enumerate(segments):
-            n = len(seg.token_ids)
-            if seg.step is Step.INJECT:
-                inject = n - 1 if index == last else n  # the final prompt token must run for its logits
-                if inject:
-                    exact_here = seg.kv.start == pos and seg.kv.exact_for == digests[pos + n]
-                    placed.append((pos, self.realign(seg.kv.slice(0, inject), pos)))
-                    if not exact_here and first_approx is None:
-                        first_approx = pos
-                dense.extend(range(pos + inject, pos + n))
-                spans.append((pos, 0, n - inject, inject))
-            else:
-                cached = min(max(hit - pos, 0), n)
-                dense.extend(range(pos + cached, pos + n))
-                spans.append((pos, cached, n - cached, 0))
-            pos += n
-        split = placed[0][0] if placed else pos
-        head = [p for p in dense if p < split]  # contiguous, from the end of the prefix hit
-        tail = [p for p in dense if p >= split]
-        logits = self._prefill(cache, prompt[head[0] : head[-1] + 1], head[0]) if head else None
-        if placed:
-            cache.clear(split, pos)
-            for start, kv in placed:
-                cache.place(start, kv.keys, kv.values)
-            logits = self._prefill_scattered(cache, prompt, tail, pos)
-            cache.commit(pos)
-        return logits, spans, first_approx
-
-    def _prefill_scattered(self, cache: CallCache, prompt: list[int], positions: list[int], end: int) -> torch.Tensor:
-        """Compute the tokens at `positions` (ascending, the last one end - 1) over a cache that holds
-        everything else below `end`, in chunks like `_prefill`. Returns the last position's logits."""
-        logits = None
-        chunk = self.config.prefill_chunk
-        for offset in range(0, len(positions), chunk):
-            part = positions[offset : offset + chunk]
-            logits = self._forward_scattered(cache, [prompt[p] for p in part], part, end)
-        return logits
-
-    def _forward_scattered(self, cache: CallCache, token_ids: list[int], positions: list[int], end: int) -> torch.Tensor:
-        device = cache.key_buffer.device
-        ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, T)
-        where = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
-        with cache.scattered(where, end):
-            out = self.model(input_ids=ids, position_ids=where[None], cache_position=where,
-                             attention_mask=self._scatter_mask(where, end), past_key_values=cache, use_cache=True,
-                             logits_to_keep=1)
-        return out.logits[0, -1].float()
-
-    def _scatter_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive masks (1, 1, T, end): a token sees every key at or below its position (in a
-        sliding-window layer, only within the window); one per layer type for models that mix them."""
-        keys = torch.arange(end, device=positions.device)[None, :]  # (1, end)
-        queries = positions[:, None]  # (T, 1)
-        zero = torch.zeros((), dtype=self.layout.dtype, device=positions.device)
-        blocked = torch.tensor(torch.finfo(self.layout.dtype).min, dtype=self.layout.dtype, device=positions.device)
-        causal = keys <= queries  # (T, end)
-        config = self.loaded.config
-        layer_types = getattr(config, "layer_types", None)
-        if not layer_types:
-            return torch.where(causal, zero, blocked)[None, None]
-        masks = {}
-        for kind in set(layer_types):
-            allowed = causal
-            if kind == "sliding_attention" and getattr(config, "sliding_window", None):
-                allowed = causal & (keys > queries - config.sliding_window)  # HF's window: q - k < window
-            masks[kind] = torch.where(allowed, zero, blocked)[None, None]
-        return masks
-
-    def _forward(self, cache: CallCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
-        """One forward pass of tokens placed at start..; returns the last position's logits (V,)."""
-        device = cache.key_buffer.device
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # (1, T)
-        positions = torch.arange(start, start + len(token_ids), device=device)[None]  # (1, T)
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.advance(len(token_ids))
-        return out.logits[0, -1].float()
-
-    def _prefill(self, cache: CallCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
-        chunk = self.config.prefill_chunk
-        logits = None
-        for offset in range(0, len(token_ids), chunk):
-            logits = self._forward(cache, token_ids[offset : offset + chunk], start + offset)
-        return logits
-
-    def _decode(
-        self, cache: CallCache, logits: torch.Tensor, sampling: SamplingParams, started: float,
-        on_token: Callable[[int], None] | None = None,
-    ) -> tuple[list[int], str, str, float]:
-        generator = None
-        if sampling.temperature > 0 and sampling.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-        token = choose_token(logits.cpu(), sampling.temperature, sampling.top_p, generator)
-        ttft = time.perf_counter() - started
-        generated = [token]
-        text, finish = "", "length"
-        while True:
-            if on_token is not None:
-                on_token(token)
-            if token in self.eos_token_ids and not sampling.ignore_eos:
-                finish = "eos"
-                break
-            if sampling.stop:
-                # Decode everything again: a character split across tokens only appears once whole.
-                text = self.detokenize(generated)
-                cut = find_stop(text, sampling.stop)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-            if len(generated) >= sampling.max_tokens:
-                break
-            logits = self._forward(cache, [token], cache.length)
-            token = choose_token(logits.cpu(), sampling.temperature, sampling.top_p, generator)
-            generated.append(token)
-        if finish != "stop":
-            text = self.detokenize(generated)
-        return generated, text, finish, ttft
-
-    def _capture(
-        self, cache: CallCache, begin: int, end: int, first_approx: int | None, digests: dict[int, bytes]
-    ) -> SegmentKV:
-        keys, values = cache.view(begin, end)
-        exact = first_approx is None or end <= first_approx
-        return SegmentKV(keys.clone(), values.clone(), begin, digests[end] if exact else None)

@@ -136,8 +136,8 @@ class _BufferLayer(DynamicLayer):
             return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         start = self._owner.length
         end = start + key_states.shape[-2]
-        if end > self._key_buffer.shape[2]:
-            raise KVShapeError(f"call cache overflow: {end} tokens, capacity {self._key_buffer.shape[2]}")
+        if end > self._owner.capacity:
+            raise KVShapeError(f"call cache overflow: {end} tokens, capacity {self._owner.capacity}")
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
         return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
@@ -153,15 +153,29 @@ class CallCache(Cache):
     once per forward pass. Injected and prefix-hit KV enter through `append`.
     """
 
-    def __init__(self, layout: KVLayout, capacity: int, device: torch.device) -> None:
-        shape = (layout.num_layers, 1, layout.num_kv_heads, capacity, layout.head_dim)
-        self.key_buffer = torch.empty(shape, dtype=layout.dtype, device=device)  # (L, 1, H, C, D)
-        self.value_buffer = torch.empty(shape, dtype=layout.dtype, device=device)
+    def __init__(
+        self, layout: KVLayout, capacity: int, device: torch.device,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`buffers`: (keys, values) views of shape (L, 1, H, >= capacity, D) to work in, e.g. a row of
+        a batching engine's shared buffer; None allocates the call's own."""
         self.length = 0
         self.capacity = capacity
         self.scatter_positions: tuple[torch.Tensor, int] | None = None  # set during a scattered pass
+        if buffers is None:
+            shape = (layout.num_layers, 1, layout.num_kv_heads, capacity, layout.head_dim)
+            buffers = (torch.empty(shape, dtype=layout.dtype, device=device),
+                       torch.empty(shape, dtype=layout.dtype, device=device))
+        self.key_buffer, self.value_buffer = buffers  # (L, 1, H, C, D)
         layers = [_BufferLayer(self.key_buffer[i], self.value_buffer[i], self) for i in range(layout.num_layers)]
         super().__init__(layers=layers)
+
+    def rebind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Work in other buffers from now on (the caller copied what these held)."""
+        self.key_buffer, self.value_buffer = keys, values
+        for i, layer in enumerate(self.layers):
+            layer._key_buffer, layer._value_buffer = keys[i], values[i]
+            layer._sync()
 
     def advance(self, num_tokens: int) -> None:
         """Commit `num_tokens` written by the model's last forward pass."""

@@ -14,6 +14,7 @@ every segment and of the generated tokens with the positions they sit at.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -109,6 +110,7 @@ class ExecRequest:
     warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
     # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
     capture_kv: bool = True  # hand back each segment's KV (copies)
+    priority: int = 0  # among waiting requests, lower runs first; warm-ups always come after real calls
     on_token: Callable[[int], None] | None = field(default=None, compare=False)  # called with each generated token
 
     def __post_init__(self) -> None:
@@ -116,6 +118,8 @@ class ExecRequest:
             raise PlanError("a call needs at least one segment")
         if not isinstance(self.sampling, SamplingParams):
             raise PlanError(f"ExecRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if type(self.priority) is not int:
+            raise PlanError(f"ExecRequest.priority must be an int (lower runs first), got {self.priority!r}")
         if self.on_token is not None and not callable(self.on_token):
             raise PlanError(f"ExecRequest.on_token must be callable or None, got {type(self.on_token).__name__}")
         for name in ("lineage", "cache_salt", "owner", "session"):
@@ -201,4 +205,10 @@ class Engine(Protocol):
 
     def realign(self, kv: SegmentKV, start: int) -> SegmentKV: ...
 
-    def execute(self, request: ExecRequest) -> ExecResult: ...
+    def submit(self, request: ExecRequest) -> "Future[ExecResult]":
+        """Queue a request to run alongside others; a malformed request raises here."""
+        ...
+
+    def execute(self, request: ExecRequest) -> ExecResult:
+        """`submit(request).result()`."""
+        ...

@@ -1,0 +1,83 @@
+"""The engine loop: requests go in from any thread, one thread steps the engine while it has work.
+
+Both engines are step machines (vLLM's `LLMEngine` is `add_request` + `step`; the embedded
+engine admits, prefills a chunk and decodes a batch per step), so the contract every engine
+offers is `submit(request) -> Future`, and this loop is what turns steps into futures. The
+loop's thread starts on the first submit and ends after `idle_s` without work, so an idle
+engine holds no thread (and can be garbage-collected).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Job", "EngineLoop"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted request and the future its result goes to."""
+
+    request: Any
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)  # the request's TTFT counts from here
+    seq: int = 0  # submission order, to break priority ties first come first served
+
+
+class EngineLoop:
+    """Feeds submitted jobs to `step(new_jobs) -> has_more_work` on a thread of its own.
+
+    `step` owns the engine's state: it is only ever called from the loop's thread, and must
+    resolve every job's future (a result or an exception) sooner or later. `on_crash` is told
+    when `step` itself raises: the loop then fails the jobs it can no longer serve.
+    """
+
+    def __init__(self, step: Callable[[list[Job]], bool], on_crash: Callable[[BaseException], None], *,
+                 name: str, idle_s: float = 1.0) -> None:
+        self._step = step
+        self._on_crash = on_crash
+        self._name = name
+        self._idle_s = idle_s
+        self._inbox: list[Job] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._seq = itertools.count()
+
+    def submit(self, request: Any) -> Job:
+        job = Job(request, seq=next(self._seq))
+        with self._wake:
+            self._inbox.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return job
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def _run(self) -> None:
+        busy = False
+        while True:
+            with self._wake:
+                if not busy and not self._inbox:
+                    self._wake.wait(self._idle_s)
+                    if not self._inbox:
+                        self._thread = None  # a submit from now on starts a new thread
+                        return
+                jobs, self._inbox = self._inbox, []
+            try:
+                busy = self._step(jobs)
+            except BaseException as exc:  # noqa: BLE001 - the loop must never die with futures pending
+                log.exception("the engine loop's step raised")
+                self._on_crash(exc)
+                busy = False
