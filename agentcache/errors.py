@@ -53,3 +53,7 @@ class TraceError(AgentCacheError, ValueError):
 class InputError(AgentCacheError, ValueError, TypeError):
     """A public API was called with an argument of the wrong type or value; raised before any work.
     It is a ValueError and a TypeError too, so code catching either keeps working."""
+
+
+class Preempted(AgentCacheError):
+    """A low-priority request (a warm-up) gave its place to a real call; nothing it computed was cached."""

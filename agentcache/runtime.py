@@ -1,10 +1,15 @@
 """The Runtime: one object that runs agent calls with a shared-context strategy.
 
-For each call it tokenizes the segments, serves the longest exact prefix from the engine's
-block pool (the agent's own lineage included), asks the corrector how to materialize every
-shared segment after it (corrected, raw, or dense), executes the plan on the engine, and then
-records each shared segment's cache as the source of the next workflow edge, builds anchors
-after dense fallbacks, and keeps the agent's decoded output as the source of `out:<agent>`.
+A call's story (`run`):
+1. plan, under the runtime's lock: tokenize, and ask the corrector how to materialize every
+   shared segment (corrected, raw, or dense); the plan is an immutable `CallPlan`;
+2. execute, with no runtime lock held: the engine admits the request, serves the longest exact
+   prefix it holds (the agent's own lineage included), injects the rest of each reused segment,
+   and batches the call with whatever else runs;
+3. commit, under the lock: each shared segment's cache becomes the source of the next workflow
+   edge, dense fallbacks whose KV is exact build anchors, the agent's decoded output becomes the
+   source of `out:<agent>`, and the figures are kept.
+Concurrent calls overlap in the engine; only planning and committing take turns.
 
 Isolation (see `agentcache.isolation`): sources and agents' outputs belong to the call's session,
 anchors to its tenant, approximate blocks to its lineage (runtime, tenant, session, agent). Memory
@@ -21,9 +26,12 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -32,7 +40,7 @@ from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.cache_manager import servable_tokens
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
-from agentcache.errors import InputError, KVShapeError, PlanError, RopeAlignmentError, SegmentError
+from agentcache.errors import InputError, KVShapeError, PlanError, Preempted, RopeAlignmentError, SegmentError
 from agentcache.isolation import Scope, lineage_salt, tenant_salt
 from agentcache.metrics import CallResult, Figures, SegmentReport
 from agentcache.selfcheck import CheckReport
@@ -41,7 +49,7 @@ from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner
 from agentcache.scout.policies import SurvivalPolicy
 from agentcache.scout.recorder import TraceRecorder
-from agentcache.scout.warmup import Warmup, WarmupCoordinator
+from agentcache.scout.warmup import WarmupCoordinator
 from agentcache.segments import AgentCall, DispatchEvent, Segment, output_slot
 from agentcache.transcript import ChatML, chat_format
 
@@ -77,7 +85,7 @@ class RuntimeConfig:
             raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Piece:
     """One engine segment: a whole call segment, or part of a PH segment split at its reuse cover."""
 
@@ -85,8 +93,31 @@ class _Piece:
     plan: SegmentPlan
 
 
+@dataclass(frozen=True)
+class CallPlan:
+    """What a call will ask of the engine, decided under the lock and never changed afterwards."""
+
+    call: AgentCall
+    scope: Scope
+    segments: tuple[Segment, ...]  # the call's segments, BOS segment included
+    token_lists: tuple[tuple[int, ...], ...]
+    prompt: tuple[int, ...]
+    pieces: tuple[_Piece, ...]
+    decisions: Mapping[int, PHDecision]  # per PH segment index
+    request: ExecRequest
+
+    def densely(self) -> "CallPlan":
+        """The same call with nothing reused: every segment prefilled (the engine refused the reused KV)."""
+        decisions = {i: PHDecision("fallback", reason="engine_rejected") if d.reused else d
+                     for i, d in self.decisions.items()}
+        pieces = tuple(_Piece(i, SegmentPlan(s.name, list(t), Step.PREFIX))
+                       for i, (s, t) in enumerate(zip(self.segments, self.token_lists)))
+        return replace(self, pieces=pieces, decisions=MappingProxyType(decisions),
+                       request=replace(self.request, segments=[p.plan for p in pieces]))
+
+
 class Runtime:
-    """Runs agent calls end to end; see `run`. Thread-safe: calls run one at a time."""
+    """Runs agent calls end to end; see `run`. Thread-safe: concurrent calls run together on the engine."""
 
     def __init__(
         self,
@@ -131,24 +162,24 @@ class Runtime:
         self._records_lock = threading.Lock()  # not the runtime's lock: records are read while a call runs
         self.on_call = on_call
         self.sessions = SessionTable(self.config.max_sessions, self.config.session_entries, self._forget_session)
-        self._waiting = 0  # calls that entered `run` and wait for the lock: a warm-up must not delay them
-        self._waiting_lock = threading.Lock()
+        self._in_flight = 0  # calls between entering `run` and their commit
+        self._in_flight_lock = threading.Lock()
         self.id = uuid.uuid4().hex  # names this runtime (its lineages, configs that run on it)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # correction state: held to plan and to commit, never while the engine runs
         self.recorder = recorder
         self._own_learner: TransitionLearner | None = None
         self.warmup_coordinator = self._warmup_coordinator() if self.config.warmup else None
-        self._warmup_thread: threading.Thread | None = None
+        self._warmup: Future | None = None  # the warm-up request in the engine, if any
         self.warmup_faults = 0
         self.warmup_s = 0.0  # engine time spent warming up, off every call's critical path
 
     def _warmup_coordinator(self) -> WarmupCoordinator | None:
         """Shares the learner of the engine's Survival policy; any other policy gets a learner of its
         own (then `config.scout` sets its constants; with Survival the policy's own config does)."""
-        if not getattr(getattr(self.engine, "config", None), "prefix_caching", True):
+        if not self.engine.prefix_caching:
             log.warning("warm-up is off: the engine does not cache prefixes, so a warm-up could serve nothing")
             return None
-        policy = getattr(getattr(self.engine, "pool", None), "policy", None)
+        policy = self.engine.eviction_policy
         if isinstance(policy, SurvivalPolicy):
             return WarmupCoordinator(policy.learner, self.config.scout, min_prefix=self.engine.block_size)
         self._own_learner = TransitionLearner(self.config.scout.smoothing, max_agents=self.config.scout.max_agents)
@@ -209,22 +240,30 @@ class Runtime:
                 raise PlanError(f"dispatch event for agent {event.agent!r} (session {event.session!r}) does not "
                                 f"match the call of agent {call.agent!r} (session {call.session!r})")
         sampling = sampling or SamplingParams()
-        started = time.perf_counter()  # TTFT includes waiting for a call or warm-up holding the runtime
-        self._count_waiting(+1)
-        with self._lock, torch.inference_mode():
-            self._count_waiting(-1)
-            queued = time.perf_counter() - started  # waiting for other calls or a warm-up
-            result = self._run(call, sampling, started, queued, on_token, event)
-            if event is not None:  # a failed call records no event
-                key = f"{event.framework}:{event.agent}"
-                with self._records_lock:
-                    self._events.append(event)
-                    self._dispatches[key if key in self._dispatches or len(self._dispatches) < _DISPATCH_KEYS
-                                     else "(other)"] += 1
-            if self.warmup_coordinator is not None:
-                self._plan_warmup(call)
-        self._emit(result)
-        return result
+        started = time.perf_counter()  # TTFT runs from here: planning and waiting in the engine included
+        self._count_in_flight(+1)
+        try:
+            with self._lock, torch.inference_mode():
+                locked = time.perf_counter() - started  # waiting for other calls' planning or commits
+                plan = self._plan(call, sampling, on_token)
+            plan, result = self._execute(plan)  # no runtime lock: other calls plan, run and commit meanwhile
+            with self._lock, torch.inference_mode():
+                outcome = self._finish(plan, result, started, locked, event)
+                if event is not None:  # a failed call records no event
+                    self._record_event(event)
+                if self.warmup_coordinator is not None:
+                    self._plan_warmup(call)
+        finally:
+            self._count_in_flight(-1)
+        self._emit(outcome)
+        return outcome
+
+    def _record_event(self, event: DispatchEvent) -> None:
+        key = f"{event.framework}:{event.agent}"
+        with self._records_lock:
+            self._events.append(event)
+            self._dispatches[key if key in self._dispatches or len(self._dispatches) < _DISPATCH_KEYS
+                             else "(other)"] += 1
 
     @property
     def results(self) -> list[CallResult]:
@@ -247,9 +286,9 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001
             self.corrector.fault("sink_error", "the on_call sink raised; the call's record was not kept there", exc)
 
-    def _count_waiting(self, change: int) -> None:
-        with self._waiting_lock:
-            self._waiting += change
+    def _count_in_flight(self, change: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight += change
 
     async def arun(
         self,
@@ -260,20 +299,21 @@ class Runtime:
         on_token: Callable[[int], None] | None = None,
     ) -> CallResult:
         """`run` on a worker thread, so a framework's event loop keeps going while the engine works.
-        Concurrent calls are safe: they run one at a time on the engine."""
+        Concurrent calls run together: the engine batches them."""
         return await asyncio.to_thread(self.run, call, sampling, event=event, on_token=on_token)
 
     # --- warm-up (CacheScout) --------------------------------------------------------------
 
     def _plan_warmup(self, call: AgentCall) -> None:
-        """After a call, under the lock: plan a warm-up and start it on a background thread, where
-        it runs once the lock is free. A call arriving meanwhile waits (in its TTFT). Planning
-        faults are counted and logged: a warm-up never costs a call."""
-        if self._warmup_thread is not None and self._warmup_thread.is_alive():
-            self.warmup_coordinator.outcomes["busy"] += 1  # the previous warm-up has not run yet
+        """After a call, under the lock: plan a warm-up and hand it to the engine as a low-priority
+        request (the engine runs real calls first and preempts a warm-up for them). Planning faults
+        are counted and logged: a warm-up never costs a call."""
+        outcomes = self.warmup_coordinator.outcomes
+        if self._warmup is not None and not self._warmup.done():
+            outcomes["busy"] += 1  # the previous warm-up has not run yet
             return
-        if self._waiting:  # dispatched calls are queued: they come first, and may well make it moot
-            self.warmup_coordinator.outcomes["calls_waiting"] += 1
+        if self._in_flight > 1:  # other calls are under way: they are certain, a warm-up is a guess
+            outcomes["calls_waiting"] += 1
             return
         try:
             plan = self.warmup_coordinator.next_warmup(self._engine_session(call), self._prefix_cached,
@@ -282,44 +322,44 @@ class Runtime:
             self.warmup_faults += 1
             log.warning("planning a warm-up failed: %s", exc)
             return
-        if plan is not None:
-            thread = threading.Thread(target=self._warm, args=(plan,), name="agentcache-warmup", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError as exc:  # no thread to be had: the warm-up is skipped, the call stands
-                self.warmup_faults += 1
-                log.warning("could not start a warm-up thread: %s", exc)
-                return
-            self._warmup_thread = thread
+        if plan is None:
+            return
+        request = ExecRequest([SegmentPlan(f"warmup:{plan.agent}", list(plan.prefix), Step.PREFIX)],
+                              SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False,
+                              cache_salt=plan.namespace)
+        try:
+            self._warmup = self.engine.submit(request)
+        except Exception as exc:  # noqa: BLE001 - a refused warm-up costs a future hit, never a call
+            self.warmup_faults += 1
+            log.warning("warm-up of agent %r was refused: %s", plan.agent, exc)
+            return
+        self._warmup.add_done_callback(partial(self._warmed, plan.agent))
+
+    def _warmed(self, agent: str, future: Future) -> None:
+        """A warm-up request ended (on the engine's thread): account for it."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            self.warmup_s += future.result().total_s - future.result().queued_s
+        elif isinstance(exc, Preempted):
+            self.warmup_coordinator.outcomes["preempted"] += 1
+        else:
+            self.warmup_faults += 1
+            log.warning("warm-up of agent %r failed: %s", agent, exc)
 
     def _prefix_cached(self, prefix: Sequence[int], namespace: str | None) -> bool:
         servable = servable_tokens(len(prefix), self.engine.block_size)
         return self.engine.cached_prefix_length(prefix, cache_salt=namespace) >= servable
 
-    def _warm(self, plan: Warmup) -> None:
-        request = ExecRequest([SegmentPlan(f"warmup:{plan.agent}", list(plan.prefix), Step.PREFIX)],
-                              SamplingParams(max_tokens=1), owner=plan.agent, warmup=True, capture_kv=False,
-                              cache_salt=plan.namespace)
-        try:
-            with self._lock, torch.inference_mode():
-                if self._waiting:  # a call arrived since the plan: never delay it for a guess
-                    self.warmup_coordinator.outcomes["preempted"] += 1
-                    return
-                started = time.perf_counter()
-                self.engine.execute(request)
-                self.warmup_s += time.perf_counter() - started
-        except Exception as exc:  # a failed warm-up costs a future hit, never a call
-            self.warmup_faults += 1
-            log.warning("warm-up of agent %r failed: %s", plan.agent, exc)
-
     def wait_warmup(self) -> None:
-        """Block until a planned warm-up has run. Do not call it while holding the runtime's lock."""
-        thread = self._warmup_thread
-        if thread is not None:
-            thread.join()
+        """Block until the warm-up handed to the engine, if any, has ended."""
+        warmup = self._warmup
+        if warmup is not None:
+            wait([warmup])
 
     def close(self) -> None:
-        """Let a planned warm-up finish (call before exiting; warm-ups run on a daemon thread)."""
+        """Let a planned warm-up finish (call before exiting: the engine's loop is a daemon thread)."""
         self.wait_warmup()
 
     def __enter__(self) -> "Runtime":
@@ -386,86 +426,87 @@ class Runtime:
                 ids.insert(0, [bos])
         return segments, ids
 
-    def _run(
-        self, call: AgentCall, sampling: SamplingParams, started: float, queued: float,
-        on_token: Callable[[int], None] | None, event: DispatchEvent | None,
-    ) -> CallResult:
+    def _plan(self, call: AgentCall, sampling: SamplingParams, on_token: Callable[[int], None] | None) -> "CallPlan":
+        """Under the lock: tokenize and decide every PH segment. A reused segment is injected whole;
+        the engine serves from its prefix cache whatever it holds of it at admission. The prefix
+        cache is asked first only as a hint, to skip correcting segments it already covers."""
         agent = call.agent
         scope = Scope(call.tenant, call.session)
         lineage, namespace = self._lineage(call), tenant_salt(call.tenant)
         segments, token_lists = self._tokenize(call)
         prompt = [t for tokens in token_lists for t in tokens]
-        hit = self.engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)
+        covered = self.engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)  # a hint
 
         decisions: dict[int, PHDecision] = {}
         pieces: list[_Piece] = []
-        leading = True  # still inside the run of segments the prefix cache is looked up for
         pos = 0
         for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
             end = pos + len(tokens)
-            if seg.kind == "ph" and end > hit:
+            if seg.kind == "ph" and end > covered:
                 decision = self.corrector.plan(scope, agent, seg.slot, tokens, seg.source)
-                skip = max(0, hit - pos)  # leading tokens of the segment the prefix cache serves
                 decisions[index] = decision
-                if decision.reused and decision.covered > skip:
+                if decision.reused and decision.covered > covered - pos:
                     cover = decision.covered
-                    if skip:
-                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:skip], Step.PREFIX)))
-                    kv = decision.inject.slice(skip, cover)  # canonical start `skip`; the engine re-aligns it
-                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[skip:cover], Step.INJECT, kv)))
+                    kv = decision.inject.slice(0, cover)  # canonical start 0; the engine re-aligns it
+                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, kv)))
                     if cover < len(tokens):
-                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.DENSE)))
-                    leading = False
+                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.PREFIX)))
                     pos = end
                     continue
                 if decision.reused:  # the prefix cache already serves what the source covers
                     decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
-            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX if leading else Step.DENSE)))
+            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX)))
             pos = end
+        request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
+                              session=self._engine_session(call), on_token=on_token)
+        return CallPlan(call, scope, tuple(segments), tuple(map(tuple, token_lists)), tuple(prompt), tuple(pieces),
+                        MappingProxyType(decisions), request)
 
-        def execute(pieces: list[_Piece]) -> ExecResult:
-            return self.engine.execute(ExecRequest(
-                [p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
-                session=self._engine_session(call), on_token=on_token))
-
+    def _execute(self, plan: "CallPlan") -> tuple["CallPlan", ExecResult]:
+        """Run the plan on the engine (no runtime lock held). If the engine refuses the reused KV,
+        that KV is never offered again and the call runs densely instead."""
         try:
-            result = execute(pieces)
+            return plan, self.engine.submit(plan.request).result()
         except (KVShapeError, RopeAlignmentError) as exc:
-            if not any(p.plan.step is Step.INJECT for p in pieces):
+            if not any(p.plan.step is Step.INJECT for p in plan.pieces):
                 raise
-            # The engine refused reused KV: never serve it, prefill everything instead.
-            self.corrector.fault("engine_rejected", f"the engine refused reused KV for agent {agent!r}; "
-                                 "prefilling densely", exc)
-            for index, decision in decisions.items():
-                if decision.reused:
-                    if decision.source is not None:  # never offer the engine this source again
+            with self._lock:
+                self.corrector.fault("engine_rejected", f"the engine refused reused KV for agent {plan.call.agent!r}; "
+                                     "prefilling densely", exc)
+                for decision in plan.decisions.values():
+                    if decision.reused and decision.source is not None:
                         self.corrector.store.remove(decision.source.id)
-                    decisions[index] = PHDecision("fallback", reason="engine_rejected")
-            pieces = [_Piece(i, SegmentPlan(s.name, t, Step.PREFIX)) for i, (s, t) in enumerate(zip(segments, token_lists))]
-            result = execute(pieces)
-        first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
-        ttft = first_token - started
+            dense = plan.densely()
+            return dense, self.engine.submit(dense.request).result()
 
-        outcomes: list[list[SegmentOutcome]] = [[] for _ in segments]  # engine segments per call segment
-        for piece, outcome in zip(pieces, result.segments):
+    def _finish(
+        self, plan: "CallPlan", result: ExecResult, started: float, locked: float, event: DispatchEvent | None
+    ) -> CallResult:
+        """Under the lock: record what the call's segments became, its output, and its figures."""
+        call, agent = plan.call, plan.call.agent
+        first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
+        outcomes: list[list[SegmentOutcome]] = [[] for _ in plan.segments]  # engine segments per call segment
+        for piece, outcome in zip(plan.pieces, result.segments):
             outcomes[piece.index].append(outcome)
         kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
-        reports = self._reports(segments, token_lists, outcomes, decisions)
-        self._commit(scope, agent, segments, token_lists, reports, decisions, result, kvs)
+        decisions = _as_served(plan.decisions, outcomes)
+        reports = self._reports(plan.segments, plan.token_lists, outcomes, decisions)
+        self._commit(plan.scope, agent, plan.segments, plan.token_lists, reports, decisions, result, kvs)
         try:
-            self.sessions.record(scope, agent, result.text, output_slot(agent), [
+            self.sessions.record(plan.scope, agent, result.text, output_slot(agent), [
                 (seg.text.strip(), seg.slot) for seg in call.segments if seg.kind == "ph" and seg.text and seg.text.strip()])
         except Exception as exc:  # noqa: BLE001 - the call's result stands
             self.corrector.fault("commit_error", f"remembering agent {agent!r}'s output for its session", exc)
         outcome = CallResult(
             agent=agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
-            ttft_s=ttft, queued_s=queued, total_s=time.perf_counter() - started, event=event, prompt_tokens=result.prompt_tokens,
+            ttft_s=first_token - started, queued_s=locked + result.queued_s, total_s=time.perf_counter() - started,
+            event=event, prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens, lineage_tokens=sum(r.lineage_tokens for r in reports),
             session=call.session, tenant=call.tenant,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
             reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
-            segments=reports, prompt_ids=prompt,
+            segments=reports, prompt_ids=list(plan.prompt),
             engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )
         with self._records_lock:
@@ -473,7 +514,7 @@ class Runtime:
         self.figures.add(outcome)
         if self.warmup_coordinator is not None or self.recorder is not None:
             try:
-                self._observe(call, segments, token_lists, prompt, result.token_ids)
+                self._observe(call, list(plan.segments), plan.token_lists, list(plan.prompt), result.token_ids)
             except Exception as exc:  # noqa: BLE001 - learning who runs next never costs the call
                 self.corrector.fault("observe_error", f"observing agent {agent!r}'s call for CacheScout", exc)
         return outcome
@@ -543,8 +584,9 @@ class Runtime:
             decision = decisions.get(index) or PHDecision(made)
             how = decision.decision if decision.reused else made
             try:
-                self.corrector.commit(scope, agent, seg.slot, tokens, decision, kvs[index], how,
-                                      own_tokens_exact=report.lineage_tokens == 0)
+                kv = kvs[index]  # anchors learn only from KV known exact for this prompt (its digest says so)
+                self.corrector.commit(scope, agent, seg.slot, tokens, decision, kv, how,
+                                      own_tokens_exact=kv is not None and kv.exact)
             except Exception as exc:  # noqa: BLE001
                 self.corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
         try:
@@ -575,7 +617,7 @@ class Runtime:
             sessions_forgotten=self.sessions.forgotten,
             anchor_build_s=self.corrector.anchor_build_s,
             faults=self._faults(),  # real faults only; normal fallbacks are in fallback_reasons
-            eviction=getattr(getattr(getattr(self.engine, "pool", None), "policy", None), "name", None),
+            eviction=getattr(self.engine.eviction_policy, "name", None),
             warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,
             warmup_faults=self.warmup_faults,
             warmup_s=self.warmup_s,
@@ -605,6 +647,16 @@ class Runtime:
 def _made(length: int, cached: int, lineage: int) -> str:
     """How the engine materialized a segment it was not asked to inject."""
     return "dense" if cached < length else "own_lineage_hit" if lineage else "prefix_hit"
+
+
+def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentOutcome]]) -> dict[int, PHDecision]:
+    """The plan's decisions as the engine served them: a reused segment the prefix cache covered
+    whole at admission (nothing injected) was a prefix hit, not a reuse."""
+    served = dict(decisions)
+    for index, decision in decisions.items():
+        if decision.reused and not any(o.injected_tokens for o in outcomes[index]):
+            served[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+    return served
 
 
 def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:

@@ -72,16 +72,15 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
     name = engine.model_name
     if not engine.supports_realignment:
         return CheckReport(name, False, "RoPE re-alignment is not supported on this model", None, None, None, 0)
-    fresh = getattr(engine, "with_config", None)
-    rope = _rope_error(fresh(engine.config) if fresh else engine)  # probes stay out of the user's cache
+    rope = _rope_error(engine.fresh())  # probes stay out of the user's cache
     if not rope <= tolerance:
         return CheckReport(name, False, f"re-aligned keys differ from keys computed in place by {rope:.2e} "
                            f"(tolerance {tolerance:.0e})", rope, None, None, 0)
 
     open_gate = STRATEGIES["kvcmas"].replace(tau=1.0)
     probe = RuntimeConfig(self_check=False, keep_kv=True)
-    reuse = Runtime(fresh(engine.config) if fresh else engine, strategy=open_gate, config=probe)
-    dense = Runtime(fresh(engine.config) if fresh else engine, strategy="nonshared", config=probe)
+    reuse = Runtime(engine.fresh(), strategy=open_gate, config=probe)
+    dense = Runtime(engine.fresh(), strategy="nonshared", config=probe)
     corrected, raw = [], []
     sampling = SamplingParams(max_tokens=1)
     for query in _PROBE_QUERIES:

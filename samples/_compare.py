@@ -38,7 +38,7 @@ class StrategyRuns:
             bar.update(1)
             check = check_model(base)
             bar.update(1)
-        self.runtimes = {s: Runtime(base.with_config(base.config), strategy=s, check=check) for s in self.strategies}
+        self.runtimes = {s: Runtime(base.fresh(), strategy=s, check=check) for s in self.strategies}
         self.setup_s = time.perf_counter() - started
 
     def order(self, round_index: int) -> list[str]:

@@ -19,6 +19,21 @@ def make_engine(preset: str, **config) -> EmbeddedEngine:
     return _engines[key].with_config(EngineConfig(**config))
 
 
+def _embedded(preset: str, **settings) -> EmbeddedEngine:
+    return make_engine(preset, **settings)
+
+
+# Every engine implementation the conformance suite runs: kind -> factory(preset, **settings), where
+# settings are pool_blocks, prefill_chunk, prefix_caching and max_batch (what each engine maps to its own).
+ENGINE_KINDS = {"embedded": _embedded}
+
+
+def engine_variant(engine, **settings):
+    """Another engine of the same kind over the same model, with its own settings and an empty cache."""
+    kind = getattr(engine, "conformance_kind", "embedded")
+    return ENGINE_KINDS[kind](engine.model_name, **settings)
+
+
 @pytest.fixture(params=TINY_PRESETS)
 def tiny_engine(request) -> EmbeddedEngine:
     return make_engine(request.param, pool_blocks=256)

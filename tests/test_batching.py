@@ -11,7 +11,7 @@ import time
 import pytest
 
 from agentcache.engine import EngineConfig, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.engine.scheduler import Preempted
+from agentcache.errors import Preempted
 
 from conftest import TINY_PRESETS, make_engine, text_of_length
 

@@ -5,7 +5,10 @@ import torch
 
 from agentcache.engine import ExecRequest, SamplingParams, SegmentPlan, Step
 
+from agentcache.errors import PlanError
+
 from conftest import text_of_length
+from test_engine_conformance import GREEDY, three_segments, with_steps
 
 
 def _hf_greedy(engine, prompt, max_new_tokens):
@@ -93,3 +96,69 @@ def test_gemma_past_its_sliding_window(gemma_engine):
     assert warm.cached_tokens > 512
     assert torch.allclose(cold.last_logits, warm.last_logits, atol=1e-3, rtol=1e-4)
     assert warm.token_ids == cold.token_ids
+
+
+# --- moved from the conformance suite: they reach into the embedded engine's internals ---------------
+
+def test_kv_is_exact_only_for_the_weights_that_computed_it(tiny_engine):
+    from agentcache.models import LoadedModel
+
+    engine = tiny_engine
+    segments = three_segments(engine)
+    kv = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY)).segments[1].kv
+    loaded = engine.loaded
+    twin = type(engine)(LoadedModel(loaded.name, loaded.model, loaded.tokenizer, loaded.requires_bos))
+    plan = [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, kv), segments[2]]
+    assert engine.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
+    assert not twin.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
+
+
+def test_failure_while_caching_blocks_leaks_no_references(tiny_engine, monkeypatch):
+    engine = tiny_engine
+    segments = three_segments(engine, seed=12)
+    real_store = engine.pool.store
+    calls = {"n": 0}
+
+    def flaky_store(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("disk on fire")
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(engine.pool, "store", flaky_store)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        engine.execute(ExecRequest(segments, GREEDY))
+    assert engine.pool.num_used == 2 and all(b.ref_count == 0 for b in engine.pool.blocks())
+    monkeypatch.undo()
+    assert engine.execute(ExecRequest(segments, GREEDY)).cached_tokens == 2 * engine.block_size
+
+
+def test_stop_string_split_across_tokens_is_found(tiny_engine, monkeypatch):
+    import agentcache.engine.scheduler as scheduler
+
+    engine = tiny_engine
+    if engine.model_name not in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
+        pytest.skip("scripted byte tokens need the byte-level tokenizer")
+    script = iter(engine.tokenize("xé!zzzzzz"))  # 'é' is two byte tokens
+    monkeypatch.setattr(scheduler, "choose_token", lambda *args: next(script))
+    result = engine.execute(ExecRequest(three_segments(engine), SamplingParams(max_tokens=8, stop=("é",))))
+    assert result.finish_reason == "stop" and result.text == "x"
+
+
+def test_request_and_config_validation():
+    from agentcache.engine import EngineConfig
+
+    assert SamplingParams(stop="###").stop == ("###",)
+    with pytest.raises(PlanError, match="max_tokens"):
+        SamplingParams(max_tokens=2.5)
+    with pytest.raises(PlanError, match="lineage must be a non-empty string"):
+        ExecRequest([SegmentPlan("a", [1])], lineage=123)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=0)
+
+
+def test_foreign_devices_are_refused(tiny_engine):
+    from agentcache.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="device 'meta'"):  # refused by the config, before any engine is built
+        tiny_engine.with_config(EngineConfig(device="meta"))

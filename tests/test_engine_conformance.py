@@ -1,4 +1,6 @@
-"""The Engine contract. Every engine implementation must pass this suite (parametrize `engine`)."""
+"""The Engine contract. Every engine implementation must pass this suite: the `engine` fixture runs
+each kind in `conftest.ENGINE_KINDS` on each tiny preset, and `engine_variant` builds another
+engine of the same kind with other settings."""
 
 from __future__ import annotations
 
@@ -8,17 +10,21 @@ import threading
 import pytest
 import torch
 
-from agentcache.engine import Engine, EngineConfig, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
+from agentcache.engine import Engine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
 from agentcache.errors import ContextLengthError, KVShapeError, PlanError, SegmentError
 
-from conftest import TINY_PRESETS, make_engine, text_of_length
+from conftest import ENGINE_KINDS, TINY_PRESETS, engine_variant, text_of_length
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(params=TINY_PRESETS)
+@pytest.fixture(params=[(kind, preset) for kind in ENGINE_KINDS for preset in TINY_PRESETS],
+                ids=lambda param: "-".join(param))
 def engine(request):
-    return make_engine(request.param, pool_blocks=64)
+    kind, preset = request.param
+    built = ENGINE_KINDS[kind](preset, pool_blocks=64)
+    built.conformance_kind = kind
+    return built
 
 
 def three_segments(engine, seed=0):
@@ -58,7 +64,7 @@ def test_segment_by_segment_prefill_equals_one_shot(engine):
 
 
 def test_chunked_prefill_equals_unchunked(engine):
-    chunked = make_engine(engine.model_name, pool_blocks=64, prefill_chunk=7)
+    chunked = engine_variant(engine, pool_blocks=64, prefill_chunk=7)
     segments = three_segments(engine)
     a = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
     b = chunked.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
@@ -117,7 +123,7 @@ def test_inject_is_trimmed_at_the_prefix_hit_found_at_admission(engine):
     segments = three_segments(engine, seed=3)
     sys_ids, query_ids, glue_ids = (s.token_ids for s in segments)
     engine.execute(ExecRequest([SegmentPlan("warm", list(sys_ids) + list(query_ids[:20]))], GREEDY))
-    dense = engine.with_config(EngineConfig(pool_blocks=64, prefix_caching=False)).execute(
+    dense = engine_variant(engine, pool_blocks=64, prefix_caching=False).execute(
         ExecRequest(with_steps(segments, Step.DENSE), GREEDY))
     plan = [SegmentPlan("sys", sys_ids, Step.PREFIX), SegmentPlan("query", query_ids, Step.INJECT, dense.segments[1].kv),
             SegmentPlan("glue", glue_ids, Step.DENSE)]
@@ -135,11 +141,9 @@ def test_glue_between_injected_segments_equals_dense(engine, chunk):
     """[sys][A inject][glue][B inject][glue][C inject][ask]: the glue and the ask are computed in one
     scattered pass over the placed KV (in chunks of 3 too); with exact KV that equals dense prefill,
     also past tiny-gemma3's sliding window of 8."""
-    from agentcache.engine import EngineConfig
-
-    engine = engine.with_config(EngineConfig(pool_blocks=64, prefill_chunk=chunk))
+    engine = engine_variant(engine, pool_blocks=64, prefill_chunk=chunk)
     # the dense reference runs elsewhere: its blocks here would serve the injected segments at admission
-    reference = engine.with_config(EngineConfig(pool_blocks=64, prefill_chunk=chunk, prefix_caching=False))
+    reference = engine_variant(engine, pool_blocks=64, prefill_chunk=chunk, prefix_caching=False)
     parts = [engine.tokenize("System: you are the judge. ", bos=True)]
     for i in range(3):
         parts.append(engine.tokenize(f" Note {i}: " + text_of_length(engine, 10, seed=i)))
@@ -190,7 +194,7 @@ def test_approximate_kv_serves_only_its_own_lineage(engine):
     assert torch.equal(again.segments[1].kv.keys[:, :, :reused], approx.segments[1].kv.keys[:, :, :reused])
     assert not again.segments[1].kv.exact
     # Without a lineage, approximate KV is not cached at all.
-    fresh = make_engine(engine.model_name, pool_blocks=64)
+    fresh = engine_variant(engine, pool_blocks=64)
     fresh.execute(ExecRequest(plan, GREEDY))
     assert fresh.cached_prefix_length(prompt, lineage="anything") <= sys_blocks * fresh.block_size
 
@@ -244,7 +248,7 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(engine):
 
 
 def test_random_workload_never_serves_stale_kv(engine):
-    small = make_engine(engine.model_name, pool_blocks=6)
+    small = engine_variant(engine, pool_blocks=6)
     rng = random.Random(3)
     heads = [small.tokenize(f"Agent {i}: " + text_of_length(small, 10, seed=i), bos=True) for i in range(4)]
     for step in range(12):
@@ -273,9 +277,7 @@ def test_concurrent_calls_match_serial_results(engine):
 
 
 def test_prefix_caching_can_be_turned_off(engine):
-    from agentcache.engine import EngineConfig
-
-    off = engine.with_config(EngineConfig(prefix_caching=False))
+    off = engine_variant(engine, prefix_caching=False)
     segments = three_segments(engine)
     first = off.execute(ExecRequest(segments, GREEDY))
     second = off.execute(ExecRequest(segments, GREEDY))
@@ -318,18 +320,6 @@ def test_exact_kv_of_other_tokens_is_never_cached_as_exact(engine):
     assert engine.cached_prefix_length(sys_ids + y + engine.tokenize(" ok")) <= len(sys_ids)
 
 
-def test_kv_is_exact_only_for_the_weights_that_computed_it(engine):
-    from agentcache.models import LoadedModel
-
-    segments = three_segments(engine)
-    kv = engine.execute(ExecRequest(with_steps(segments, Step.DENSE), GREEDY)).segments[1].kv
-    loaded = engine.loaded
-    twin = type(engine)(LoadedModel(loaded.name, loaded.model, loaded.tokenizer, loaded.requires_bos))
-    plan = [segments[0], SegmentPlan("query", segments[1].token_ids, Step.INJECT, kv), segments[2]]
-    assert engine.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
-    assert not twin.execute(ExecRequest(plan, GREEDY)).segments[1].kv.exact
-
-
 def test_cached_prefix_length_matches_what_execute_serves(engine):
     bs = engine.block_size
     prompt = engine.tokenize(text_of_length(engine, 40), bos=True)[: 2 * bs]
@@ -340,52 +330,6 @@ def test_cached_prefix_length_matches_what_execute_serves(engine):
     assert engine.execute(ExecRequest([SegmentPlan("p", prompt)], GREEDY)).cached_tokens == predicted
 
 
-def test_failure_while_caching_blocks_leaks_no_references(engine, monkeypatch):
-    segments = three_segments(engine, seed=12)
-    real_store = engine.pool.store
-    calls = {"n": 0}
-
-    def flaky_store(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("disk on fire")
-        return real_store(*args, **kwargs)
-
-    monkeypatch.setattr(engine.pool, "store", flaky_store)
-    with pytest.raises(RuntimeError, match="disk on fire"):
-        engine.execute(ExecRequest(segments, GREEDY))
-    assert engine.pool.num_used == 2 and all(b.ref_count == 0 for b in engine.pool.blocks())
-    monkeypatch.undo()
-    assert engine.execute(ExecRequest(segments, GREEDY)).cached_tokens == 2 * engine.block_size
-
-
-def test_stop_string_split_across_tokens_is_found(engine, monkeypatch):
-    import agentcache.engine.scheduler as scheduler
-
-    if engine.model_name not in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
-        pytest.skip("scripted byte tokens need the byte-level tokenizer")
-    script = iter(engine.tokenize("xé!zzzzzz"))  # 'é' is two byte tokens
-    monkeypatch.setattr(scheduler, "choose_token", lambda *args: next(script))
-    result = engine.execute(ExecRequest(three_segments(engine), SamplingParams(max_tokens=8, stop=("é",))))
-    assert result.finish_reason == "stop" and result.text == "x"
-
-
-def test_request_and_config_validation():
-    from agentcache.engine import EngineConfig
-
-    assert SamplingParams(stop="###").stop == ("###",)
-    with pytest.raises(PlanError, match="max_tokens"):
-        SamplingParams(max_tokens=2.5)
-    with pytest.raises(PlanError, match="lineage must be a non-empty string"):
-        ExecRequest([SegmentPlan("a", [1])], lineage=123)
-    with pytest.raises(ValueError, match="prefill_chunk"):
-        EngineConfig(prefill_chunk=0)
-
-
-def test_bool_token_ids_and_foreign_devices_are_refused(engine):
-    from agentcache.engine import EngineConfig
-
+def test_bool_token_ids_are_refused(engine):
     with pytest.raises(SegmentError, match="not ints"):
         engine.execute(ExecRequest([SegmentPlan("a", three_segments(engine)[0].token_ids + [True])], GREEDY))
-    with pytest.raises(ValueError, match="device 'meta'"):  # refused by the config, before any engine is built
-        engine.with_config(EngineConfig(device="meta"))

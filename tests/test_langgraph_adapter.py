@@ -112,8 +112,10 @@ def check_run(rt: Runtime, start: int, out: dict, thread: str) -> int:
     assert [ph_slots(r) for r in results[:3]] == [["query"]] * 3
     spoke = [m.name or m.response_metadata[AGENT_KEY] for m in out["opinions"] if m.content]
     assert ph_slots(results[3]) == ["query"] + [f"out:{name}" for name in spoke]
-    # Only the first agent of the run computes the new query from scratch; the others read its cache.
-    assert [r.segments[1].decision for r in results].count("first") == 1
+    # The experts run at once: each one planned before a sibling finished computes the new query
+    # itself (`first`); the judge, after them, always has an expert's cache to read.
+    decisions = [r.segments[1].decision for r in results]
+    assert decisions.count("first") >= 1 and decisions[3] != "first"
     return len(spoke)
 
 

@@ -118,8 +118,9 @@ def test_arun_runs_concurrent_calls_one_at_a_time_and_streams_tokens():
     assert len(rt.results) == 3
 
 
-def test_calls_waiting_for_the_runtime_hold_back_warmups():
-    """A warm-up is a guess; a dispatched call waiting for the runtime is certain: it goes first."""
+def test_calls_under_way_hold_back_warmups():
+    """A warm-up is a guess; a dispatched call under way is certain: no warm-up is planned while
+    another call runs, and calls run together instead of queueing."""
     import threading
     import time
 
@@ -137,11 +138,11 @@ def test_calls_waiting_for_the_runtime_hold_back_warmups():
                              kwargs={"on_token": crawl})
     first.start()
     slow.wait(5)
-    rt.run(_call("local"), SamplingParams(max_tokens=2))  # waits for the first call, then plans
+    rt.run(_call("local"), SamplingParams(max_tokens=2))  # runs beside the first call, finishes first
     first.join()
     rt.wait_warmup()
-    assert rt.summary()["warmups"]["calls_waiting"] >= 1  # planned while the second call was queued
-    assert [r.agent for r in rt.results] == ["planner", "local"] and rt.results[1].queued_s > 0.05
+    assert rt.summary()["warmups"]["calls_waiting"] >= 1  # "local" ended while "planner" ran
+    assert [r.agent for r in rt.results] == ["local", "planner"]
 
 
 # --- ChatML (instruct models such as Qwen2.5) -------------------------------------------------------

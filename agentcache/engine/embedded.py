@@ -44,7 +44,7 @@ from agentcache.errors import (
 )
 from agentcache.models import DEFAULT_MODEL, LoadedModel, load_model
 
-__all__ = ["EmbeddedEngine", "EngineConfig"]
+__all__ = ["EmbeddedEngine", "EngineConfig", "choose_threads"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,15 @@ class EngineConfig:
     device: str = "cpu"
     max_batch: int = 8  # requests decoded together; 1 runs one request at a time (the serialized baseline)
     warmup_chunk: int = 64  # prefill tokens per pass of a warm-up: what a real arrival may wait behind
+    threads: int | None = None  # torch threads for the engine's steps; None: see `choose_threads`
 
     def __post_init__(self) -> None:
         for name in ("block_size", "pool_bytes", "prefill_chunk", "max_batch", "warmup_chunk"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InputError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
+            raise InputError(f"EngineConfig.threads must be a positive int or None, got {self.threads!r}")
         if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
             raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
         _check_device(self.device)
@@ -78,6 +81,24 @@ def _source_of(model: LoadedModel | str) -> str | None:
     if name in PRESETS:
         return name
     return None if isinstance(model, LoadedModel) else str(Path(name).expanduser().resolve())
+
+
+SMALL_MODEL_PARAMETERS = 5_000_000  # below this, one torch thread: its matrices are too small to split
+
+
+def choose_threads(model: torch.nn.Module, configured: int | None) -> int | None:
+    """Torch threads for an engine's steps: `configured` when given; torch's own setting when the
+    environment chose one (OMP_NUM_THREADS); else 1 for a small model (on 2 shared cores a tiny
+    model ran about 10x faster on 1 thread than on 2 while another process was busy: splitting
+    small matrices costs more than it saves) and every core this process may use for a larger
+    one. None: leave torch's setting alone."""
+    if configured is not None:
+        return configured
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMETERS:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _check_device(device: object) -> None:
@@ -152,6 +173,7 @@ class EmbeddedEngine:
         self.block_size = self.config.block_size
         self.layout = _layout_of(self.model)
         self.runner = ModelRunner(self.model, self.layout)
+        self.threads = choose_threads(self.model, self.config.threads)
         capacity = self.config.pool_blocks or max(
             1, self.config.pool_bytes // (self.layout.bytes_per_token * self.block_size)
         )
@@ -179,6 +201,17 @@ class EmbeddedEngine:
         twin = EmbeddedEngine(self.loaded, config)
         twin.model_source = self.model_source
         return twin
+
+    def fresh(self) -> "EmbeddedEngine":
+        return self.with_config(self.config)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.config.prefix_caching
+
+    @property
+    def eviction_policy(self) -> EvictionPolicy:
+        return self.pool.policy
 
     # --- text ------------------------------------------------------------------------------
 
@@ -259,6 +292,8 @@ class EmbeddedEngine:
         return self.submit(request).result()
 
     def _step(self, jobs: list) -> bool:
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)  # process-wide: the last engine to step sets it
         with self._lock, torch.inference_mode():
             return self.scheduler.step(jobs)
 

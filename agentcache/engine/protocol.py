@@ -21,6 +21,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.kv import KVLayout, SegmentKV
 from agentcache.errors import PlanError, SegmentError
 
@@ -111,7 +112,8 @@ class ExecRequest:
     # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
     capture_kv: bool = True  # hand back each segment's KV (copies)
     priority: int = 0  # among waiting requests, lower runs first; warm-ups always come after real calls
-    on_token: Callable[[int], None] | None = field(default=None, compare=False)  # called with each generated token
+    # called with each generated token, on the engine's loop thread: it must be quick (hand the token on)
+    on_token: Callable[[int], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -152,11 +154,12 @@ class ExecResult:
     finish_reason: str  # "stop" (a stop string), "eos", "length"
     prompt_tokens: int
     cached_tokens: int
-    ttft_s: float
-    total_s: float
+    ttft_s: float  # from submission to the first token
+    total_s: float  # from submission to the result
     segments: list[SegmentOutcome]
     last_logits: torch.Tensor  # (V,) float32 logits at the last prompt position
     generated_kv: SegmentKV | None  # KV of the generated tokens fed back (all but the last)
+    queued_s: float = 0.0  # of ttft_s, waiting to be admitted (behind other requests)
 
     @property
     def computed_tokens(self) -> int:
@@ -181,6 +184,21 @@ class Engine(Protocol):
 
     @property
     def supports_realignment(self) -> bool: ...
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches and serves exact prefixes (False: the no-reuse baseline)."""
+        ...
+
+    @property
+    def eviction_policy(self) -> "EvictionPolicy | None":
+        """The prefix cache's eviction policy object (CacheScout learns through it); None if hidden."""
+        ...
+
+    def fresh(self) -> "Engine":
+        """Another engine over the same weights and settings with an empty cache (for probes that
+        must stay out of the caller's cache)."""
+        ...
 
     def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
         """Literal tokens of `text`: text spelling a control token (`<eos>`, `<|im_end|>`) stays text.

@@ -29,16 +29,12 @@ from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
 from agentcache.engine.loop import Job
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
 from agentcache.engine.sampling import choose_token, find_stop
-from agentcache.errors import AgentCacheError
+from agentcache.errors import Preempted
 
 if TYPE_CHECKING:
     from agentcache.engine.embedded import EmbeddedEngine
 
-__all__ = ["BatchScheduler", "Preempted"]
-
-
-class Preempted(AgentCacheError):
-    """A warm-up gave its place to a real request (nothing it computed was cached)."""
+__all__ = ["BatchScheduler"]
 
 
 @dataclass(eq=False)
@@ -59,6 +55,7 @@ class _Live:
     text: str = ""
     finish: str = "length"
     decoding: bool = False  # in the decode rows
+    admitted: float = field(default_factory=time.perf_counter)
 
     @property
     def request(self) -> ExecRequest:
@@ -336,6 +333,7 @@ class BatchScheduler:
                 token_ids=list(live.generated), text=live.text, finish_reason=live.finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=live.ttft, total_s=time.perf_counter() - live.job.submitted,
                 segments=outcomes, last_logits=live.logits, generated_kv=generated_kv,
+                queued_s=live.admitted - live.job.submitted,
             )
         except Exception as exc:  # noqa: BLE001
             self._drop(live, exc)

@@ -28,6 +28,7 @@ COLUMNS = (
     ("service_ttft_vs_baseline", "vs nonshared", ".2f"),
     ("decision_ttft_s", "decision TTFT s", ".3f"),
     ("decision_vs_baseline", "vs nonshared", ".2f"),
+    ("wall_s_per_problem", "wall s per problem", ".2f"),
     ("reuse_ratio", "reuse ratio", ".2f"),
     ("hit_rate", "hit rate", ".2f"),
 )
@@ -58,6 +59,7 @@ def run_batch(
     answers: dict[str, list[int | None]] = {s: [] for s in strategies}
     calls: dict[str, list[CallResult]] = {s: [] for s in strategies}
     finals: dict[str, list[str]] = {s: [] for s in strategies}
+    walls: dict[str, list[float]] = {s: [] for s in strategies}  # per problem: the experts overlap in the engine
     batch = [gsm8k_style_problem(seed + i, background) for i in range(problems)]
     bar = progress_bar(problems * len(strategies), "GSM8K swarm", progress)
     for index, problem in enumerate(batch):
@@ -65,8 +67,10 @@ def run_batch(
             bar.set_postfix_str(f"problem {index + 1}, {name}")
             runtime = runs.runtimes[name]
             before = len(runtime.results)
+            began = time.perf_counter()
             state = swarms[name].invoke({"question": problem.text},
                                         {"configurable": {"thread_id": f"{name}-{index}"}})
+            walls[name].append(time.perf_counter() - began)
             # The experts ran concurrently: keep each problem's calls in a fixed agent order for pairing.
             made = sorted(runtime.results[before:], key=lambda r: _AGENT_ORDER[r.agent])
             calls[name].extend(made)
@@ -85,6 +89,7 @@ def run_batch(
         base_decision = [r for r in calls[BASELINE] if r.agent == DECISION]
         row["decision_ttft_s"] = sum(r.ttft_s for r in decision) / len(decision)
         row["decision_vs_baseline"] = row["decision_ttft_s"] / (sum(r.ttft_s for r in base_decision) / len(base_decision))
+        row["wall_s_per_problem"] = sum(walls[name]) / len(walls[name])
         row["per_agent_ttft_s"] = agent_means(calls[name], list(_AGENT_ORDER), queued=True)
         row["per_agent_service_s"] = agent_means(calls[name], list(_AGENT_ORDER))
         row.update(runtime_figures(runtime))

@@ -1,0 +1,211 @@
+"""Concurrent serving on the embedded engine: continuous batching against one request at a time
+(`max_batch=1`), interleaved in one run, on Gemma 3 270M.
+
+1. N concurrent calls (N = 1, 2, 4, 8), each a distinct prompt of `--prompt-tokens` (256) tokens
+   generating `--gen-tokens` (64), submitted at once. Per N and mode: the aggregate decode rate
+   (tokens produced while all N requests are decoding, per second of that window; every token's
+   time comes from the engine's token callback) and the mean TTFT including queueing.
+2. The swarm's shape through the Runtime: a shared query, three experts dispatched at once (each
+   its own system prompt and the query; threads calling `Runtime.run`), then a decision agent
+   reading the three outputs, under NonShared and KVCMAS (KVCMAS after `--warmup` problems that
+   fill its anchor pools). Per strategy: the fan-out's mean TTFT including queueing and the
+   wall time of fan-out plus fan-in, batched over serialized.
+
+Keys: `decode_speedup_n4` (batched aggregate decode rate at N=4 over N=1), `fanout_ttft_ratio`
+and `fanout_wall_ratio` (KVCMAS, batched over serialized; NonShared's in `fanout`), and
+`greedy_identical` (every batched greedy output equals its serialized one, token for token).
+
+Threads: torch runs `--threads` intra-op threads (default: the cores this process may use).
+`--quick` runs N = 1, 2, 4 with 96-token prompts, 24 tokens and one fan-out problem.
+
+    python benchmarks/concurrency.py [--quick] [--model gemma3-270m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+from _report import emit  # benchmarks/, the script's own folder
+from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan
+from agentcache.runtime import Runtime, RuntimeConfig
+from agentcache.segments import AgentCall, Segment
+from agentcache.selfcheck import check_model
+
+MODES = {"batched": 8, "serialized": 1}  # max_batch
+EXPERTS = {
+    "algebra": "You are the algebra expert. Set up the equation that the question describes and solve it.",
+    "arithmetic": "You are the arithmetic expert. Work the question out step by step with the numbers given.",
+    "checker": "You are the checker. Read the question again and list what a correct answer must satisfy.",
+}
+DECIDER = "You are the decision agent. Read the experts' answers and state the final answer as one number."
+
+
+def filler_ids(engine: EmbeddedEngine, tokens: int, seed: int) -> list[int]:
+    """BOS and `tokens` - 1 tokens of deterministic prose; distinct seeds never share a block."""
+    words = ("the team reads a long report about trains hotels budgets weather museums and local food "
+             "then plans each day with care and writes a short summary for the user").split()
+    text = f"Request {seed}: " + " ".join(words[(seed * 7 + 3 * i) % len(words)] for i in range(tokens))
+    return engine.tokenize(text, bos=True)[:tokens]
+
+
+def concurrent_calls(engines: dict[str, EmbeddedEngine], n: int, prompt_tokens: int, gen_tokens: int,
+                     trial: int) -> dict[str, dict]:
+    """N requests submitted at once on each engine (modes interleaved); their timings and outputs."""
+    base = engines["batched"]
+    prompts = [filler_ids(base, prompt_tokens, seed=1000 * trial + 10 * n + i) for i in range(n)]
+    out = {}
+    order = list(MODES) if trial % 2 == 0 else list(reversed(MODES))
+    for mode in order:
+        engine = engines[mode]
+        stamps: list[list[float]] = [[] for _ in range(n)]
+        started = time.perf_counter()
+        futures = [engine.submit(ExecRequest([SegmentPlan("prompt", ids)],
+                                             SamplingParams(max_tokens=gen_tokens, ignore_eos=True),
+                                             on_token=lambda _t, i=i: stamps[i].append(time.perf_counter())))
+                   for i, ids in enumerate(prompts)]
+        results = [f.result() for f in futures]
+        all_decoding = max(s[0] for s in stamps)  # from here every request is past its first token
+        finished = max(s[-1] for s in stamps)
+        window = [t for s in stamps for t in s[1:] if t > all_decoding]
+        out[mode] = {
+            "decode_tokens_per_s": len(window) / (finished - all_decoding) if finished > all_decoding else None,
+            "ttft_mean_s": statistics.fmean(s[0] - started for s in stamps),
+            "wall_s": finished - started,
+            "outputs": [r.token_ids for r in results],
+        }
+    return out
+
+
+def fanout_problem(rt: Runtime, index: int, query_tokens: int, expert_tokens: int, session: str) -> dict:
+    """One query, three experts at once, then the decision agent; TTFTs and the wall time."""
+    query = " ".join(f"item {index}-{k} costs {3 + (index * 5 + k) % 17} dollars" for k in range(query_tokens // 8))
+    query = f"Question {index}: {query}. What do all the items cost together?"
+    started = time.perf_counter()
+    results: dict[str, object] = {}
+
+    def expert(name: str) -> None:
+        call = AgentCall(name, [Segment.pf(EXPERTS[name] + "\n"), Segment.ph("query", query), Segment.pf("\nAnswer:")],
+                         session=session)
+        results[name] = rt.run(call, SamplingParams(max_tokens=expert_tokens, ignore_eos=True))
+
+    threads = [threading.Thread(target=expert, args=(name,)) for name in EXPERTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    segments = [Segment.pf(DECIDER + "\n"), Segment.ph("query", query)]
+    for name in EXPERTS:
+        segments += [Segment.pf(f"\n{name}:"), rt.output_segment(name, session=session)]
+    decision = rt.run(AgentCall("decision", segments + [Segment.pf("\nFinal answer:")], session=session),
+                      SamplingParams(max_tokens=8, ignore_eos=True))
+    return {
+        "fanout_ttft_s": statistics.fmean(results[name].ttft_s for name in EXPERTS),
+        "wall_s": time.perf_counter() - started,
+        "outputs": [results[name].token_ids for name in EXPERTS] + [decision.token_ids],
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
+    base = EmbeddedEngine(args.model, EngineConfig(threads=args.threads))
+
+    def config(max_batch: int) -> EngineConfig:
+        return EngineConfig(pool_blocks=4096, max_batch=max_batch, threads=args.threads)
+
+    engines = {mode: base.with_config(config(size)) for mode, size in MODES.items()}
+    counts = [1, 2, 4] if args.quick else [1, 2, 4, 8]
+    identical = True
+    per_n: dict[int, dict] = {}
+    for trial in range(args.trials):
+        for n in counts:
+            measured = concurrent_calls(engines, n, args.prompt_tokens, args.gen_tokens, trial)
+            identical &= measured["batched"]["outputs"] == measured["serialized"]["outputs"]
+            for mode, figures in measured.items():
+                slot = per_n.setdefault(n, {}).setdefault(mode, {"decode_tokens_per_s": [], "ttft_mean_s": []})
+                if figures["decode_tokens_per_s"] is not None:
+                    slot["decode_tokens_per_s"].append(figures["decode_tokens_per_s"])
+                slot["ttft_mean_s"].append(figures["ttft_mean_s"])
+    calls = {str(n): {mode: {k: round(statistics.median(v), 3) if v else None for k, v in figures.items()}
+                      for mode, figures in modes.items()} for n, modes in per_n.items()}
+    rate = {n: calls[str(n)]["batched"]["decode_tokens_per_s"] for n in counts}
+
+    check = None if args.quick else check_model(base.with_config(config(8)))
+    fanout = {}
+    for strategy in ("nonshared", "kvcmas"):
+        runtimes = {mode: Runtime(base.with_config(config(size)), strategy=strategy,
+                                  check=check, config=RuntimeConfig(self_check=False))
+                    for mode, size in MODES.items()}
+        figures = {mode: {"fanout_ttft_s": [], "wall_s": []} for mode in MODES}
+        for index in range(args.warmup + args.problems):
+            order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
+            measured = {mode: fanout_problem(runtimes[mode], index, args.query_tokens, args.expert_tokens,
+                                             session=f"problem-{index}") for mode in order}
+            if strategy == "nonshared":  # KVCMAS's choices may depend on which sibling commits first
+                identical &= measured["batched"]["outputs"] == measured["serialized"]["outputs"]
+            if index >= args.warmup:
+                for mode in MODES:
+                    for key in figures[mode]:
+                        figures[mode][key].append(measured[mode][key])
+        fanout[strategy] = {
+            "ttft_ratio": round(statistics.fmean(figures["batched"]["fanout_ttft_s"])
+                                / statistics.fmean(figures["serialized"]["fanout_ttft_s"]), 3),
+            "wall_ratio": round(statistics.fmean(figures["batched"]["wall_s"])
+                                / statistics.fmean(figures["serialized"]["wall_s"]), 3),
+            **{f"{mode}_{key}": round(statistics.fmean(values), 3) for mode in MODES
+               for key, values in figures[mode].items()},
+            "reuse_ratio": {mode: round(rt.summary()["reuse_ratio"], 3) for mode, rt in runtimes.items()},
+        }
+    return {
+        "model": args.model,
+        "decode_speedup_n4": round(rate[4] / rate[1], 3) if rate.get(4) and rate.get(1) else None,
+        "fanout_ttft_ratio": fanout["kvcmas"]["ttft_ratio"],
+        "fanout_wall_ratio": fanout["kvcmas"]["wall_ratio"],
+        "greedy_identical": identical,
+        "calls": calls,
+        "fanout": fanout,
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "trials": args.trials,
+        "fanout_problems": args.problems,
+        "threads": args.threads,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="N = 1, 2, 4 and short prompts (< 60 s on 2 cores)")
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--gen-tokens", type=int, default=None)
+    parser.add_argument("--trials", type=int, default=None, help="repeats of each N (medians are reported)")
+    parser.add_argument("--problems", type=int, default=None, help="scored fan-out problems")
+    parser.add_argument("--warmup", type=int, default=None, help="fan-out problems that only fill anchor pools")
+    parser.add_argument("--query-tokens", type=int, default=None)
+    parser.add_argument("--expert-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    quick = {"prompt_tokens": 96, "gen_tokens": 24, "trials": 1, "problems": 1, "warmup": 1, "query_tokens": 64,
+             "expert_tokens": 12}
+    full = {"prompt_tokens": 256, "gen_tokens": 64, "trials": 2, "problems": 4, "warmup": 3, "query_tokens": 128,
+            "expert_tokens": 48}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    result = run(args)
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
