@@ -27,22 +27,22 @@ import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from agentcache.correction.corrector import Corrector, PHDecision
+from agentcache.calls import CallPlan, plan_call, settle_call
+from agentcache.correction.corrector import Corrector
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.cache_manager import servable_tokens
-from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
-from agentcache.errors import InputError, KVShapeError, PlanError, Preempted, RopeAlignmentError, SegmentError
+from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
+from agentcache.errors import InputError, KVShapeError, PlanError, Preempted, RopeAlignmentError
 from agentcache.isolation import Scope, lineage_salt, tenant_salt
-from agentcache.metrics import CallResult, Figures, SegmentReport
+from agentcache.metrics import CallResult, Figures
+from agentcache import selfcheck
 from agentcache.selfcheck import CheckReport
 from agentcache.sessions import SessionTable
 from agentcache.scout.config import ScoutConfig
@@ -83,37 +83,6 @@ class RuntimeConfig:
             raise InputError(f"RuntimeConfig.keep_calls must be an int >= 0 (0 keeps no records), got {self.keep_calls!r}")
         if not isinstance(self.scout, ScoutConfig):
             raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One engine segment: a whole call segment, or part of a PH segment split at its reuse cover."""
-
-    index: int  # the call segment it belongs to
-    plan: SegmentPlan
-
-
-@dataclass(frozen=True)
-class CallPlan:
-    """What a call will ask of the engine, decided under the lock and never changed afterwards."""
-
-    call: AgentCall
-    scope: Scope
-    segments: tuple[Segment, ...]  # the call's segments, BOS segment included
-    token_lists: tuple[tuple[int, ...], ...]
-    prompt: tuple[int, ...]
-    pieces: tuple[_Piece, ...]
-    decisions: Mapping[int, PHDecision]  # per PH segment index
-    request: ExecRequest
-
-    def densely(self) -> "CallPlan":
-        """The same call with nothing reused: every segment prefilled (the engine refused the reused KV)."""
-        decisions = {i: PHDecision("fallback", reason="engine_rejected") if d.reused else d
-                     for i, d in self.decisions.items()}
-        pieces = tuple(_Piece(i, SegmentPlan(s.name, list(t), Step.PREFIX))
-                       for i, (s, t) in enumerate(zip(self.segments, self.token_lists)))
-        return replace(self, pieces=pieces, decisions=MappingProxyType(decisions),
-                       request=replace(self.request, segments=[p.plan for p in pieces]))
 
 
 class Runtime:
@@ -195,10 +164,8 @@ class Runtime:
             self.refusal = f"{self.engine.model_name}: RoPE re-alignment is not exact on this model"
             return STRATEGIES["nonshared"]
         if self.check is None and self.config.self_check:
-            from agentcache.selfcheck import check_model
-
             try:
-                self.check = check_model(self.engine)
+                self.check = selfcheck.check_model(self.engine)  # the check's one entry point
             except Exception as exc:  # noqa: BLE001 - a check that cannot run proves nothing: refuse reuse
                 log.warning("the self-check raised on %s (%s: %s); running NonShared instead of %s",
                             self.engine.model_name, type(exc).__name__, exc, strategy.name)
@@ -246,9 +213,9 @@ class Runtime:
             with self._lock, torch.inference_mode():
                 locked = time.perf_counter() - started  # waiting for other calls' planning or commits
                 plan = self._plan(call, sampling, on_token)
-            plan, result = self._execute(plan)  # no runtime lock: other calls plan, run and commit meanwhile
+            plan, result, first_token = self._execute(plan)  # no runtime lock: other calls plan, run, commit
             with self._lock, torch.inference_mode():
-                outcome = self._finish(plan, result, started, locked, event)
+                outcome = self._finish(plan, result, started, first_token, locked, event)
                 if event is not None:  # a failed call records no event
                     self._record_event(event)
                 if self.warmup_coordinator is not None:
@@ -403,72 +370,21 @@ class Runtime:
             return call.session
         return json.dumps([call.tenant, call.session])
 
-    def _tokenize(self, call: AgentCall) -> tuple[list[Segment], list[list[int]]]:
-        """The call's segments and their tokens. The prompt starts with BOS: in the first segment
-        when it is PF, as a PF segment of its own before a leading PH (whose tokens must match
-        other agents' copies of the same content)."""
-        segments, ids = list(call.segments), []
-        bos = self.engine.bos_token_id
-        vocab = self.engine.vocab_size
-        for i, seg in enumerate(segments):
-            tokens = list(seg.token_ids) if seg.token_ids is not None else self.engine.tokenize(seg.text)
-            if not tokens:
-                raise PlanError(f"segment {i} ({seg.name}) of agent {call.agent!r} tokenizes to nothing")
-            if seg.token_ids is not None and max(tokens) >= vocab:
-                raise SegmentError(f"segment {i} ({seg.name}) of agent {call.agent!r}: token id {max(tokens)} is "
-                                   f"not in {self.engine.model_name}'s vocabulary of {vocab}")
-            ids.append(tokens)
-        if bos is not None and ids[0][0] != bos:
-            if segments[0].kind == "pf":
-                ids[0].insert(0, bos)
-            else:
-                segments.insert(0, Segment(kind="pf", token_ids=(bos,)))
-                ids.insert(0, [bos])
-        return segments, ids
+    def _plan(self, call: AgentCall, sampling: SamplingParams, on_token: Callable[[int], None] | None) -> CallPlan:
+        """Under the lock: the call's plan (`agentcache.calls.plan_call`)."""
+        return plan_call(self.engine, self.corrector, call, sampling, lineage=self._lineage(call),
+                         namespace=tenant_salt(call.tenant), session=self._engine_session(call), on_token=on_token)
 
-    def _plan(self, call: AgentCall, sampling: SamplingParams, on_token: Callable[[int], None] | None) -> "CallPlan":
-        """Under the lock: tokenize and decide every PH segment. A reused segment is injected whole;
-        the engine serves from its prefix cache whatever it holds of it at admission. The prefix
-        cache is asked first only as a hint, to skip correcting segments it already covers."""
-        agent = call.agent
-        scope = Scope(call.tenant, call.session)
-        lineage, namespace = self._lineage(call), tenant_salt(call.tenant)
-        segments, token_lists = self._tokenize(call)
-        prompt = [t for tokens in token_lists for t in tokens]
-        covered = self.engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)  # a hint
-
-        decisions: dict[int, PHDecision] = {}
-        pieces: list[_Piece] = []
-        pos = 0
-        for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
-            end = pos + len(tokens)
-            if seg.kind == "ph" and end > covered:
-                decision = self.corrector.plan(scope, agent, seg.slot, tokens, seg.source)
-                decisions[index] = decision
-                if decision.reused and decision.covered > covered - pos:
-                    cover = decision.covered
-                    kv = decision.inject.slice(0, cover)  # canonical start 0; the engine re-aligns it
-                    pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, kv)))
-                    if cover < len(tokens):
-                        pieces.append(_Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.PREFIX)))
-                    pos = end
-                    continue
-                if decision.reused:  # the prefix cache already serves what the source covers
-                    decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
-            pieces.append(_Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX)))
-            pos = end
-        request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
-                              session=self._engine_session(call), on_token=on_token)
-        return CallPlan(call, scope, tuple(segments), tuple(map(tuple, token_lists)), tuple(prompt), tuple(pieces),
-                        MappingProxyType(decisions), request)
-
-    def _execute(self, plan: "CallPlan") -> tuple["CallPlan", ExecResult]:
-        """Run the plan on the engine (no runtime lock held). If the engine refuses the reused KV,
-        that KV is never offered again and the call runs densely instead."""
+    def _execute(self, plan: CallPlan) -> tuple[CallPlan, ExecResult, float]:
+        """Run the plan on the engine (no runtime lock held); returns the plan run, its result and
+        when its first token came. If the engine refuses the reused KV, that KV is never offered
+        again and the call runs densely instead."""
         try:
-            return plan, self.engine.submit(plan.request).result()
+            submitted = time.perf_counter()
+            result = self.engine.submit(plan.request).result()
+            return plan, result, submitted + result.ttft_s
         except (KVShapeError, RopeAlignmentError) as exc:
-            if not any(p.plan.step is Step.INJECT for p in plan.pieces):
+            if not plan.injects:
                 raise
             with self._lock:
                 self.corrector.fault("engine_rejected", f"the engine refused reused KV for agent {plan.call.agent!r}; "
@@ -477,21 +393,18 @@ class Runtime:
                     if decision.reused and decision.source is not None:
                         self.corrector.store.remove(decision.source.id)
             dense = plan.densely()
-            return dense, self.engine.submit(dense.request).result()
+            submitted = time.perf_counter()
+            result = self.engine.submit(dense.request).result()
+            return dense, result, submitted + result.ttft_s
 
     def _finish(
-        self, plan: "CallPlan", result: ExecResult, started: float, locked: float, event: DispatchEvent | None
+        self, plan: CallPlan, result: ExecResult, started: float, first_token: float, locked: float,
+        event: DispatchEvent | None,
     ) -> CallResult:
         """Under the lock: record what the call's segments became, its output, and its figures."""
         call, agent = plan.call, plan.call.agent
-        first_token = time.perf_counter() - result.total_s + result.ttft_s  # when the engine produced it
-        outcomes: list[list[SegmentOutcome]] = [[] for _ in plan.segments]  # engine segments per call segment
-        for piece, outcome in zip(plan.pieces, result.segments):
-            outcomes[piece.index].append(outcome)
-        kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
-        decisions = _as_served(plan.decisions, outcomes)
-        reports = self._reports(plan.segments, plan.token_lists, outcomes, decisions)
-        self._commit(plan.scope, agent, plan.segments, plan.token_lists, reports, decisions, result, kvs)
+        settled = settle_call(self.corrector, plan, result)
+        reports, kvs = settled.reports, settled.kvs
         try:
             self.sessions.record(plan.scope, agent, result.text, output_slot(agent), [
                 (seg.text.strip(), seg.slot) for seg in call.segments if seg.kind == "ph" and seg.text and seg.text.strip()])
@@ -536,63 +449,6 @@ class Runtime:
             self.warmup_coordinator.observe(call.agent, prompt, prefix_len, tenant_salt(call.tenant))
         if self.recorder is not None:
             self.recorder.record(call.agent, call.session, prompt, output, prefix_len)
-
-    @staticmethod
-    def _reports(
-        segments: list[Segment],
-        token_lists: list[list[int]],
-        outcomes: list[list[SegmentOutcome]],
-        decisions: dict[int, PHDecision],
-    ) -> list[SegmentReport]:
-        """How each call segment was materialized. A segment served whole from the prefix cache is a
-        `prefix_hit` when every block was exact, an `own_lineage_hit` when some came from the caller's
-        own approximate lineage: never counted as exact."""
-        reports = []
-        for index, (seg, tokens, parts) in enumerate(zip(segments, token_lists, outcomes)):
-            cached = sum(o.cached_tokens for o in parts)
-            lineage = sum(o.lineage_tokens for o in parts)
-            decision = decisions.get(index)
-            reports.append(SegmentReport(
-                name=seg.name, kind=seg.kind, start=parts[0].start, length=len(tokens),
-                decision=decision.decision if decision is not None else _made(len(tokens), cached, lineage),
-                reason=decision.reason if decision else None, cached_tokens=cached,
-                computed_tokens=sum(o.computed_tokens for o in parts),
-                injected_tokens=sum(o.injected_tokens for o in parts),
-                entropy=decision.entropy if decision else None,
-                source=decision.source.agent if decision and decision.source else None,
-                plan_s=decision.plan_s if decision else 0.0, lineage_tokens=lineage,
-            ))
-        return reports
-
-    def _commit(
-        self,
-        scope: Scope,
-        agent: str,
-        segments: list[Segment],
-        token_lists: list[list[int]],
-        reports: list[SegmentReport],
-        decisions: dict[int, PHDecision],
-        result: ExecResult,
-        kvs: list[SegmentKV | None],
-    ) -> None:
-        """After the first token: record materializations and anchors. A fault here is counted and
-        costs only what it touched; the call's result stands."""
-        for index, (seg, tokens, report) in enumerate(zip(segments, token_lists, reports)):
-            if seg.kind != "ph":
-                continue
-            made = _made(report.length, report.cached_tokens, report.lineage_tokens)
-            decision = decisions.get(index) or PHDecision(made)
-            how = decision.decision if decision.reused else made
-            try:
-                kv = kvs[index]  # anchors learn only from KV known exact for this prompt (its digest says so)
-                self.corrector.commit(scope, agent, seg.slot, tokens, decision, kv, how,
-                                      own_tokens_exact=kv is not None and kv.exact)
-            except Exception as exc:  # noqa: BLE001
-                self.corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
-        try:
-            self.corrector.record_output(scope, agent, result.token_ids[:-1], result.generated_kv)
-        except Exception as exc:  # noqa: BLE001
-            self.corrector.fault("commit_error", f"recording agent {agent!r}'s output", exc)
 
     # --- figures -------------------------------------------------------------------------
 
@@ -642,31 +498,3 @@ class Runtime:
             payload = {"summary": self._summary(), "calls": [r.to_dict() for r in self.results]}
         path.write_text(json.dumps(payload, indent=2))
         return path
-
-
-def _made(length: int, cached: int, lineage: int) -> str:
-    """How the engine materialized a segment it was not asked to inject."""
-    return "dense" if cached < length else "own_lineage_hit" if lineage else "prefix_hit"
-
-
-def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentOutcome]]) -> dict[int, PHDecision]:
-    """The plan's decisions as the engine served them: a reused segment the prefix cache covered
-    whole at admission (nothing injected) was a prefix hit, not a reuse."""
-    served = dict(decisions)
-    for index, decision in decisions.items():
-        if decision.reused and not any(o.injected_tokens for o in outcomes[index]):
-            served[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
-    return served
-
-
-def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:
-    """One segment's KV from the engine segments it was split into (contiguous positions). It is
-    exact when every part is: then the last part's digest names the whole prefix through its end."""
-    if not parts or any(p is None for p in parts):
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    keys = torch.cat([p.keys for p in parts], dim=2)  # (L, H, T, D)
-    values = torch.cat([p.values for p in parts], dim=2)
-    exact_for = parts[-1].exact_for if all(p.exact for p in parts) else None
-    return SegmentKV(keys, values, parts[0].start, exact_for)

@@ -5,6 +5,10 @@
 2. Correction fidelity: a short three-agent probe workflow runs KVCMAS (gate open, so every
    edge with two anchors is corrected) beside dense prefill; corrected shared-segment KV must
    be closer to the dense KV than the raw aligned reuse is.
+
+The probe drives calls through `agentcache.calls` and the corrector on fresh engines over the
+same weights, below the Runtime: a Runtime runs this check (`check_model`, the one entry point)
+before it trusts reuse, or takes a report of it.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
-from agentcache.fidelity import relative_error
-from agentcache.isolation import Scope
+from agentcache.calls import Settled, plan_call, settle_call
+from agentcache.correction.corrector import Corrector
+from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.fidelity import relative_error
+from agentcache.isolation import Scope, lineage_salt
+from agentcache.segments import AgentCall, Segment
 
 __all__ = ["CheckReport", "check_model", "ROPE_TOLERANCE"]
 
@@ -63,12 +71,18 @@ def _rope_error(engine: Engine) -> float:
     return relative_error(engine.realign(early, late.start).keys[0], late.keys[0])
 
 
+_PROBE_BYTES = 2**28  # anchor pools and source store of a probe corrector
+
+
+def _probe_call(engine: Engine, corrector: Corrector, call: AgentCall) -> Settled:
+    """One probe call end to end (plan, execute, settle), one token generated."""
+    plan = plan_call(engine, corrector, call, SamplingParams(max_tokens=1), namespace=None, session=None,
+                     lineage=lineage_salt("selfcheck", Scope(), call.agent))
+    return settle_call(corrector, plan, engine.execute(plan.request))
+
+
 def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckReport:
     """Run both checks; `passed` is False with a reason when reuse should not be trusted."""
-    from agentcache.correction.strategies import STRATEGIES
-    from agentcache.runtime import Runtime, RuntimeConfig
-    from agentcache.segments import AgentCall, Segment
-
     name = engine.model_name
     if not engine.supports_realignment:
         return CheckReport(name, False, "RoPE re-alignment is not supported on this model", None, None, None, 0)
@@ -77,23 +91,20 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
         return CheckReport(name, False, f"re-aligned keys differ from keys computed in place by {rope:.2e} "
                            f"(tolerance {tolerance:.0e})", rope, None, None, 0)
 
-    open_gate = STRATEGIES["kvcmas"].replace(tau=1.0)
-    probe = RuntimeConfig(self_check=False, keep_kv=True)
-    reuse = Runtime(engine.fresh(), strategy=open_gate, config=probe)
-    dense = Runtime(engine.fresh(), strategy="nonshared", config=probe)
+    reuse_engine, dense_engine = engine.fresh(), engine.fresh()
+    reuse = Corrector(reuse_engine, STRATEGIES["kvcmas"].replace(tau=1.0), _PROBE_BYTES, _PROBE_BYTES)  # gate open
+    dense = Corrector(dense_engine, STRATEGIES["nonshared"], _PROBE_BYTES, _PROBE_BYTES)
     corrected, raw = [], []
-    sampling = SamplingParams(max_tokens=1)
     for query in _PROBE_QUERIES:
         for agent, system in _PROBE_AGENTS.items():
             call = AgentCall(agent=agent, segments=(Segment.pf(system), Segment.ph("query", "Problem: " + query),
                                                     Segment.pf("\nAnswer:")))
-            source = reuse.corrector.store.find(Scope(), "query", engine.tokenize("Problem: " + query))
-            got = reuse.run(call, sampling)
-            want = dense.run(call, sampling)
-            seg = got.segments[1]
-            if seg.decision != "corrected":
+            source = reuse.store.find(Scope(), "query", engine.tokenize("Problem: " + query))
+            got = _probe_call(reuse_engine, reuse, call)
+            want = _probe_call(dense_engine, dense, call)
+            if got.reports[1].decision != "corrected":
                 continue
-            got_kv, want_kv = got.segment_kv[1], want.segment_kv[1]
+            got_kv, want_kv = got.kvs[1], want.kvs[1]
             source_kv = engine.realign(source[0].kv, want_kv.start)
             for errors, approx in ((corrected, got_kv), (raw, source_kv)):
                 errors.append([relative_error(getattr(approx, part)[1:], getattr(want_kv, part)[1:])

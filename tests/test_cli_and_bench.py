@@ -185,6 +185,18 @@ def _quick(script: str, *extra: str) -> dict:
 
 
 @pytest.mark.slow
+def test_concurrency_bench_quick_reports_its_keys():
+    """Batched against serialized on Gemma: the keys the issue names, greedy outputs identical, and
+    batching that never loses to one request at a time (N=4's mean TTFT, decode rate)."""
+    result = _quick("concurrency.py")
+    assert result["model"] == "gemma3-270m" and result["greedy_identical"] is True
+    assert {"decode_speedup_n4", "fanout_ttft_ratio", "fanout_wall_ratio", "hf_batch_speedup_n4"} <= result.keys()
+    assert result["decode_speedup_n4"] > 1.0 and result["fanout_ttft_ratio"] < 1.0
+    four = result["calls"]["4"]
+    assert four["batched"]["ttft_mean_s"] < four["serialized"]["ttft_mean_s"]
+
+
+@pytest.mark.slow
 def test_fidelity_bench_quick_reports_every_strategy():
     result = _quick("fidelity.py")
     assert result["model"] == "gemma3-270m"

@@ -12,12 +12,16 @@ token, whose logits the engine must compute (`servable_blocks`). Approximate KV 
 after `approximate_from`) is cached only under the request's lineage, and not at all without one.
 
 Requests may overlap (a batching engine admits one while others decode): each holds its own
-lease, and the policy attributes touches through the lease's visit. The manager is not
-thread-safe on its own; its engine serializes calls into it.
+lease, and the policy attributes touches through the lease's visit. Every public method holds
+the manager's lock for as long as its bookkeeping (and block copies) take, never across a
+forward pass: a lookup from another thread (a runtime planning a call) never waits for an
+engine step.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -69,6 +73,15 @@ class Lease:
     freed: bool = False
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def under_lock(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return under_lock
+
+
 class CacheManager:
     """Prefix lookups, admission, commits and frees over one `BlockPool`; see the module doc.
 
@@ -80,6 +93,7 @@ class CacheManager:
         self.enabled = enabled
         self.events: deque[CacheEvent] = deque(maxlen=max_events)
         self.events_dropped = 0
+        self._lock = threading.RLock()
         pool.listener = self._record
 
     @property
@@ -100,6 +114,7 @@ class CacheManager:
 
     # --- lookups --------------------------------------------------------------------------
 
+    @_locked
     def lookup(
         self, token_ids: Sequence[int], prompt_len: int | None = None, *, lineage: str | None = None,
         namespace: str | None = None,
@@ -123,6 +138,7 @@ class CacheManager:
 
     # --- a request's life ------------------------------------------------------------------
 
+    @_locked
     def admit(
         self,
         prompt: Sequence[int],
@@ -150,9 +166,11 @@ class CacheManager:
         lease.held.extend(hit.blocks)
         return lease
 
+    @_locked
     def can_allocate(self, num_blocks: int) -> bool:
         return self.pool.can_allocate(num_blocks)
 
+    @_locked
     def commit(
         self, lease: Lease, token_ids: Sequence[int], kv_of: KVSource | None = None, *,
         approximate_from: int | None = None,
@@ -193,6 +211,7 @@ class CacheManager:
             stored += 1
         return stored
 
+    @_locked
     def free(self, lease: Lease) -> None:
         """End the request: the policy sees it finish, then everything it held is released."""
         if lease.freed:
@@ -202,6 +221,11 @@ class CacheManager:
             self.pool.end_request(lease.visit)
         self.pool.release(lease.held)
         lease.held.clear()
+
+    @_locked
+    def gather(self, lease: Lease) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of the lease's hit, each (L, H, hit tokens, D): copies, safe to use after the lock."""
+        return self.pool.gather(lease.hit.blocks)
 
     def _check_live(self, lease: Lease) -> None:
         if lease.freed:
@@ -214,6 +238,7 @@ class CacheManager:
             self.events_dropped += 1
         self.events.append(event)
 
+    @_locked
     def drain_events(self) -> list[CacheEvent]:
         """Blocks stored and removed since the last drain, oldest first (the oldest are dropped
         past `max_events`, counted in `events_dropped`)."""

@@ -11,7 +11,6 @@ unsalted, blocks at or after the first approximate token under the call's lineag
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -185,7 +184,6 @@ class EmbeddedEngine:
             self._rope_error: RopeAlignmentError | None = None
         except RopeAlignmentError as exc:
             self._rope, self._rope_error = None, exc
-        self._lock = threading.RLock()  # held by each engine step, and by lookups from other threads
         self.scheduler = BatchScheduler(self, self.config.max_batch, self.config.warmup_chunk)
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 
@@ -256,14 +254,13 @@ class EmbeddedEngine:
         """Tokens of `token_ids` a call would be served from the prefix cache now, if its leading
         segments (covering `token_ids`) have step PREFIX; the last token is always computed."""
         self._check_ids(token_ids, "cached_prefix_length")
-        with self._lock:
-            return self.cache.cached_prefix_length(token_ids, lineage=lineage, namespace=cache_salt)
+        return self.cache.cached_prefix_length(token_ids, lineage=lineage, namespace=cache_salt)
 
     def continuation_logits(self, prompt_kv: Sequence[SegmentKV], token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits: feed `token_ids` after a prompt given as its KV (contiguous
         segments from position 0). Returns (len(token_ids), V): row i predicts the token after
         token_ids[i]. Nothing is cached."""
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():  # its own cache: it may run beside the engine's steps
             length = sum(kv.length for kv in prompt_kv)
             cache = CallCache(self.layout, length + len(token_ids), torch.device(self.config.device))
             for kv in prompt_kv:
@@ -294,12 +291,11 @@ class EmbeddedEngine:
     def _step(self, jobs: list) -> bool:
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # process-wide: the last engine to step sets it
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():
             return self.scheduler.step(jobs)
 
     def _crash(self, exc: BaseException) -> None:
-        with self._lock:
-            self.scheduler.crash(exc)
+        self.scheduler.crash(exc)
 
     def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
         total = len(prompt) + request.sampling.max_tokens

@@ -10,7 +10,8 @@ Order: real requests before warm-ups, then `priority` (lower first), then arriva
 admitted only when no real request waits, prefills in small chunks and only while no real
 request is prefilling, and is preempted when a real request needs its place.
 
-Only the engine loop's thread calls into a scheduler, under the engine's lock and in inference mode.
+Only the engine loop's thread calls into a scheduler, in inference mode; the cache manager locks
+its own bookkeeping, so other threads' lookups never wait for a step.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class BatchScheduler:
         try:
             cache = CallCache(engine.layout, len(prompt) + request.sampling.max_tokens, torch.device(engine.config.device))
             if lease.hit.blocks:
-                cache.append(*engine.pool.gather(lease.hit.blocks))
+                cache.append(*engine.cache.gather(lease))
             ends = [0]
             for seg in request.segments:
                 ends.append(ends[-1] + len(seg.token_ids))

@@ -1,0 +1,224 @@
+"""One agent call between the runtime and the engine: its plan, and what it became.
+
+`plan_call` tokenizes a call and asks the corrector how to materialize each shared (PH) segment,
+into an immutable `CallPlan` that carries the engine request. `settle_call` reads the engine's
+result back into per-segment reports and records with the corrector what the shared segments
+became: the sources of the next workflow edges, anchors from dense fallbacks whose KV is exact,
+and the agent's decoded output. Neither takes a lock or keeps state of its own: the runtime
+calls them under its lock, and the self-check drives them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from agentcache.correction.corrector import Corrector, PHDecision
+from agentcache.engine.kv import SegmentKV
+from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
+from agentcache.errors import PlanError, SegmentError
+from agentcache.isolation import Scope
+from agentcache.metrics import SegmentReport
+from agentcache.segments import AgentCall, Segment
+
+__all__ = ["CallPlan", "Settled", "plan_call", "settle_call", "tokenize_call"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One engine segment: a whole call segment, or part of a PH segment split at its reuse cover."""
+
+    index: int  # the call segment it belongs to
+    plan: SegmentPlan
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What a call will ask of the engine, decided once and never changed afterwards."""
+
+    call: AgentCall
+    scope: Scope
+    segments: tuple[Segment, ...]  # the call's segments, BOS segment included
+    token_lists: tuple[tuple[int, ...], ...]
+    prompt: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    decisions: Mapping[int, PHDecision]  # per PH segment index
+    request: ExecRequest
+
+    @property
+    def injects(self) -> bool:
+        return any(p.plan.step is Step.INJECT for p in self.pieces)
+
+    def densely(self) -> "CallPlan":
+        """The same call with nothing reused: every segment prefilled (the engine refused the reused KV)."""
+        decisions = {i: PHDecision("fallback", reason="engine_rejected") if d.reused else d
+                     for i, d in self.decisions.items()}
+        pieces = tuple(Piece(i, SegmentPlan(s.name, list(t), Step.PREFIX))
+                       for i, (s, t) in enumerate(zip(self.segments, self.token_lists)))
+        return replace(self, pieces=pieces, decisions=MappingProxyType(decisions),
+                       request=replace(self.request, segments=[p.plan for p in pieces]))
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A finished call's segments as the engine served them, and each segment's KV."""
+
+    reports: list[SegmentReport]
+    kvs: list[SegmentKV | None]
+
+
+def tokenize_call(engine: Engine, call: AgentCall) -> tuple[list[Segment], list[list[int]]]:
+    """The call's segments and their tokens. The prompt starts with BOS: in the first segment when
+    it is PF, as a PF segment of its own before a leading PH (whose tokens must match other agents'
+    copies of the same content)."""
+    segments, ids = list(call.segments), []
+    bos, vocab = engine.bos_token_id, engine.vocab_size
+    for i, seg in enumerate(segments):
+        tokens = list(seg.token_ids) if seg.token_ids is not None else engine.tokenize(seg.text)
+        if not tokens:
+            raise PlanError(f"segment {i} ({seg.name}) of agent {call.agent!r} tokenizes to nothing")
+        if seg.token_ids is not None and max(tokens) >= vocab:
+            raise SegmentError(f"segment {i} ({seg.name}) of agent {call.agent!r}: token id {max(tokens)} is "
+                               f"not in {engine.model_name}'s vocabulary of {vocab}")
+        ids.append(tokens)
+    if bos is not None and ids[0][0] != bos:
+        if segments[0].kind == "pf":
+            ids[0].insert(0, bos)
+        else:
+            segments.insert(0, Segment(kind="pf", token_ids=(bos,)))
+            ids.insert(0, [bos])
+    return segments, ids
+
+
+def plan_call(
+    engine: Engine,
+    corrector: Corrector,
+    call: AgentCall,
+    sampling: SamplingParams,
+    *,
+    lineage: str,
+    namespace: str | None,
+    session: str | None,
+    on_token: Callable[[int], None] | None = None,
+) -> CallPlan:
+    """Decide every PH segment of `call`. A reused segment is injected whole: the engine serves
+    from its prefix cache whatever it holds of it at admission. The prefix cache is asked first
+    only as a hint, to skip correcting segments it already covers. `lineage` salts the approximate
+    KV the call caches, `namespace` its exact blocks, `session` is the engine's view of the session."""
+    agent = call.agent
+    scope = Scope(call.tenant, call.session)
+    segments, token_lists = tokenize_call(engine, call)
+    prompt = [t for tokens in token_lists for t in tokens]
+    covered = engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)  # a hint
+
+    decisions: dict[int, PHDecision] = {}
+    pieces: list[Piece] = []
+    pos = 0
+    for index, (seg, tokens) in enumerate(zip(segments, token_lists)):
+        end = pos + len(tokens)
+        if seg.kind == "ph" and end > covered:
+            decision = corrector.plan(scope, agent, seg.slot, tokens, seg.source)
+            decisions[index] = decision
+            if decision.reused and decision.covered > covered - pos:
+                cover = decision.covered
+                kv = decision.inject.slice(0, cover)  # canonical start 0; the engine re-aligns it
+                pieces.append(Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, kv)))
+                if cover < len(tokens):
+                    pieces.append(Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.PREFIX)))
+                pos = end
+                continue
+            if decision.reused:  # the prefix cache already serves what the source covers
+                decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+        pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX)))
+        pos = end
+    request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
+                          session=session, on_token=on_token)
+    return CallPlan(call, scope, tuple(segments), tuple(map(tuple, token_lists)), tuple(prompt), tuple(pieces),
+                    MappingProxyType(decisions), request)
+
+
+def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult) -> Settled:
+    """Report how each call segment was materialized and record it with the corrector. A fault
+    while recording is counted and costs only what it touched; the call's result stands."""
+    outcomes: list[list[SegmentOutcome]] = [[] for _ in plan.segments]  # engine segments per call segment
+    for piece, outcome in zip(plan.pieces, result.segments):
+        outcomes[piece.index].append(outcome)
+    kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
+    decisions = _as_served(plan.decisions, outcomes)
+    reports = _reports(plan.segments, plan.token_lists, outcomes, decisions)
+    agent = plan.call.agent
+    for index, (seg, tokens, report) in enumerate(zip(plan.segments, plan.token_lists, reports)):
+        if seg.kind != "ph":
+            continue
+        made = _made(report.length, report.cached_tokens, report.lineage_tokens)
+        decision = decisions.get(index) or PHDecision(made)
+        how = decision.decision if decision.reused else made
+        kv = kvs[index]  # anchors learn only from KV known exact for this prompt (its digest says so)
+        try:
+            corrector.commit(plan.scope, agent, seg.slot, tokens, decision, kv, how,
+                             own_tokens_exact=kv is not None and kv.exact)
+        except Exception as exc:  # noqa: BLE001
+            corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
+    try:
+        corrector.record_output(plan.scope, agent, result.token_ids[:-1], result.generated_kv)
+    except Exception as exc:  # noqa: BLE001
+        corrector.fault("commit_error", f"recording agent {agent!r}'s output", exc)
+    return Settled(reports, kvs)
+
+
+def _reports(
+    segments: Sequence[Segment],
+    token_lists: Sequence[Sequence[int]],
+    outcomes: list[list[SegmentOutcome]],
+    decisions: Mapping[int, PHDecision],
+) -> list[SegmentReport]:
+    """How each call segment was materialized. A segment served whole from the prefix cache is a
+    `prefix_hit` when every block was exact, an `own_lineage_hit` when some came from the caller's
+    own approximate lineage: never counted as exact."""
+    reports = []
+    for index, (seg, tokens, parts) in enumerate(zip(segments, token_lists, outcomes)):
+        cached = sum(o.cached_tokens for o in parts)
+        lineage = sum(o.lineage_tokens for o in parts)
+        decision = decisions.get(index)
+        reports.append(SegmentReport(
+            name=seg.name, kind=seg.kind, start=parts[0].start, length=len(tokens),
+            decision=decision.decision if decision is not None else _made(len(tokens), cached, lineage),
+            reason=decision.reason if decision else None, cached_tokens=cached,
+            computed_tokens=sum(o.computed_tokens for o in parts),
+            injected_tokens=sum(o.injected_tokens for o in parts),
+            entropy=decision.entropy if decision else None,
+            source=decision.source.agent if decision and decision.source else None,
+            plan_s=decision.plan_s if decision else 0.0, lineage_tokens=lineage,
+        ))
+    return reports
+
+
+def _made(length: int, cached: int, lineage: int) -> str:
+    """How the engine materialized a segment it was not asked to inject."""
+    return "dense" if cached < length else "own_lineage_hit" if lineage else "prefix_hit"
+
+
+def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentOutcome]]) -> dict[int, PHDecision]:
+    """The plan's decisions as the engine served them: a reused segment the prefix cache covered
+    whole at admission (nothing injected) was a prefix hit, not a reuse."""
+    served = dict(decisions)
+    for index, decision in decisions.items():
+        if decision.reused and not any(o.injected_tokens for o in outcomes[index]):
+            served[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+    return served
+
+
+def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:
+    """One segment's KV from the engine segments it was split into (contiguous positions). It is
+    exact when every part is: then the last part's digest names the whole prefix through its end."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    keys = torch.cat([p.keys for p in parts], dim=2)  # (L, H, T, D)
+    values = torch.cat([p.values for p in parts], dim=2)
+    exact_for = parts[-1].exact_for if all(p.exact for p in parts) else None
+    return SegmentKV(keys, values, parts[0].start, exact_for)
