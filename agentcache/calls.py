@@ -103,11 +103,13 @@ def plan_call(
     namespace: str | None,
     session: str | None,
     on_token: Callable[[int], None] | None = None,
+    capture_all: bool = False,
 ) -> CallPlan:
     """Decide every PH segment of `call`. A reused segment is injected whole: the engine serves
     from its prefix cache whatever it holds of it at admission. The prefix cache is asked first
     only as a hint, to skip correcting segments it already covers. `lineage` salts the approximate
-    KV the call caches, `namespace` its exact blocks, `session` is the engine's view of the session."""
+    KV the call caches, `namespace` its exact blocks, `session` is the engine's view of the session.
+    Only PH segments' KV comes back from the engine (what the corrector keeps), unless `capture_all`."""
     agent = call.agent
     scope = Scope(call.tenant, call.session)
     segments, token_lists = tokenize_call(engine, call)
@@ -132,7 +134,7 @@ def plan_call(
                 continue
             if decision.reused:  # the prefix cache already serves what the source covers
                 decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
-        pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX)))
+        pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all or seg.kind == "ph")))
         pos = end
     request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
                           session=session, on_token=on_token)

@@ -373,7 +373,8 @@ class Runtime:
     def _plan(self, call: AgentCall, sampling: SamplingParams, on_token: Callable[[int], None] | None) -> CallPlan:
         """Under the lock: the call's plan (`agentcache.calls.plan_call`)."""
         return plan_call(self.engine, self.corrector, call, sampling, lineage=self._lineage(call),
-                         namespace=tenant_salt(call.tenant), session=self._engine_session(call), on_token=on_token)
+                         namespace=tenant_salt(call.tenant), session=self._engine_session(call), on_token=on_token,
+                         capture_all=self.config.keep_kv)  # measuring keeps every segment's KV
 
     def _execute(self, plan: CallPlan) -> tuple[CallPlan, ExecResult, float]:
         """Run the plan on the engine (no runtime lock held); returns the plan run, its result and

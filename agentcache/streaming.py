@@ -75,7 +75,7 @@ def stream_call(
     runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None
 ) -> Iterator["str | CallResult"]:
     """Text chunks of `call` as they are generated, then its `CallResult`. The call runs on a worker
-    thread; if the consumer stops early it still finishes there (it holds the runtime meanwhile)."""
+    thread; if the consumer stops early it still finishes there (a place in the engine's batch meanwhile)."""
     text = TextStream(runtime.engine.detokenize, sampling.stop)
     chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
     outcome: dict[str, Any] = {}
@@ -113,7 +113,7 @@ async def astream_call(
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[Any] = asyncio.Queue()
 
-    def on_token(token_id: int) -> None:  # on the runtime's worker thread
+    def on_token(token_id: int) -> None:  # on the engine's loop thread: hand the piece over, never block
         piece = text.push(token_id)
         if piece:
             try:

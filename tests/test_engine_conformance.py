@@ -333,3 +333,11 @@ def test_cached_prefix_length_matches_what_execute_serves(engine):
 def test_bool_token_ids_are_refused(engine):
     with pytest.raises(SegmentError, match="not ints"):
         engine.execute(ExecRequest([SegmentPlan("a", three_segments(engine)[0].token_ids + [True])], GREEDY))
+
+
+def test_kv_is_captured_only_for_the_segments_that_ask(engine):
+    sys_plan, query_plan, glue_plan = three_segments(engine)
+    result = engine.execute(ExecRequest([SegmentPlan("sys", sys_plan.token_ids, capture=False), query_plan,
+                                         SegmentPlan("glue", glue_plan.token_ids, capture=False)], GREEDY))
+    assert [o.kv is not None for o in result.segments] == [False, True, False]
+    assert result.segments[1].kv.exact and result.generated_kv is not None

@@ -372,3 +372,18 @@ def test_runtime_refuses_correction_on_a_model_that_fails_the_check():
     assert rt.strategy.name == "nonshared" and "worse" in rt.refusal
     assert rt.summary()["requested_strategy"] == "kvcmas"
     assert chain(rt, text_of_length(rt.engine, 20))[1].segments[1].decision == "off"
+
+
+def test_only_shared_segments_kv_comes_back_from_the_engine(tiny_engine):
+    """The corrector keeps PH segments' KV only: PF segments are not copied back, unless the runtime
+    keeps every call's KV for measuring (`keep_kv`)."""
+    requests = []
+    for keep in (False, True):
+        rt = Runtime(tiny_engine.fresh(), strategy="kvcmas", config=RuntimeConfig(self_check=False, keep_kv=keep))
+        submit = rt.engine.submit
+        rt.engine.submit = lambda request, submit=submit: (requests.append(request), submit(request))[1]
+        rt.run(AgentCall(agent="a", segments=(Segment.pf("You plan. "), Segment.ph("query", "Go to Rome."),
+                                              Segment.pf(" Plan:"))), SamplingParams(max_tokens=2))
+    lean, kept = requests
+    assert [s.capture for s in lean.segments] == [False, True, False]
+    assert all(s.capture for s in kept.segments)

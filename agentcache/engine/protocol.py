@@ -50,6 +50,7 @@ class SegmentPlan:
     token_ids: Sequence[int]
     step: Step = Step.PREFIX
     kv: SegmentKV | None = None  # required for INJECT: KV of exactly these tokens
+    capture: bool = True  # hand this segment's KV back in the result (a copy); False saves the copy
 
     def __post_init__(self) -> None:
         try:
@@ -110,7 +111,7 @@ class ExecRequest:
     session: str | None = None  # the workflow run it belongs to, for agent-aware eviction
     warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
     # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
-    capture_kv: bool = True  # hand back each segment's KV (copies)
+    capture_kv: bool = True  # hand back the KV of the segments that ask for it, and of the output
     priority: int = 0  # among waiting requests, lower runs first; warm-ups always come after real calls
     # called with each generated token, on the engine's loop thread: it must be quick (hand the token on)
     on_token: Callable[[int], None] | None = field(default=None, compare=False)

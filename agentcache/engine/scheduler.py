@@ -318,7 +318,7 @@ class BatchScheduler:
                 SegmentOutcome(
                     name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
                     cached_tokens=c, computed_tokens=d, injected_tokens=j,
-                    kv=self._capture(live, s, s + len(seg.token_ids)) if request.capture_kv else None,
+                    kv=self._capture(live, s, s + len(seg.token_ids)) if request.capture_kv and seg.capture else None,
                     lineage_tokens=max(0, min(s + c, hit) - max(s, lineage_from)),
                 )
                 for seg, (s, c, d, j) in zip(request.segments, live.spans)
