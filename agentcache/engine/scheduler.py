@@ -108,10 +108,10 @@ class BatchScheduler:
     # --- admission ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Admit from the head of the sorted queue: a warm-up reaches the head only when no real
+        request waits."""
         while self.waiting:
             job = self.waiting[0]
-            if job.request.warmup and any(not j.request.warmup for j in self.waiting):
-                break  # cannot happen while the queue is sorted; kept as the rule it is
             if len(self.live) >= self.max_batch and not self._preempt_for(job):
                 break
             self.waiting.pop(0)
