@@ -63,7 +63,6 @@ class PrefixHit:
 class Lease:
     """One request's hold on the pool, from admission to `free`."""
 
-    prompt: Sequence[int]
     hit: PrefixHit
     lineage: str | None
     namespace: str | None
@@ -99,10 +98,6 @@ class CacheManager:
     @property
     def block_size(self) -> int:
         return self.pool.block_size
-
-    @property
-    def policy(self):
-        return self.pool.policy
 
     @property
     def stats(self):
@@ -154,14 +149,14 @@ class CacheManager:
         the hit is referenced until `free`. A warm-up counts as no lookup or hit in the statistics."""
         lookup_tokens = len(prompt) if lookup_tokens is None else lookup_tokens
         if not self.enabled:
-            return Lease(prompt, PrefixHit((), self.block_size), lineage, namespace, owner, None)
+            return Lease(PrefixHit((), self.block_size), lineage, namespace, owner, None)
         stats = self.pool.stats
         if not warmup:
             stats.lookups += 1
             stats.lookup_blocks += lookup_tokens // self.block_size
         visit = self.pool.begin_request(prompt, owner, session=session, warmup=warmup)
         hit = self.lookup(prompt[:lookup_tokens], len(prompt), lineage=lineage, namespace=namespace)
-        lease = Lease(prompt, hit, lineage, namespace, owner, visit)
+        lease = Lease(hit, lineage, namespace, owner, visit)
         self.pool.acquire(hit.blocks, hit=not warmup, visit=visit)
         lease.held.extend(hit.blocks)
         return lease

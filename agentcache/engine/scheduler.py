@@ -43,6 +43,7 @@ class _Live:
     """An admitted request, from admission to its result."""
 
     job: Job
+    prompt: list[int]  # the request's tokens, joined once
     lease: Lease
     cache: CallCache
     digests: dict[int, bytes]  # position -> digest of the tokens before it (what KV ending there is exact for)
@@ -79,7 +80,6 @@ class BatchScheduler:
         self.waiting: list[Job] = []
         self.live: list[_Live] = []
         self.rows = DecodeRows(engine.layout, max_batch, torch.device(engine.config.device))
-        self.steps = 0
         self.batched_tokens = 0  # tokens decoded in steps of more than one request
         self.preempted = 0
 
@@ -94,7 +94,6 @@ class BatchScheduler:
         self._admit()
         self._prefill_one()
         self._decode()
-        self.steps += 1
         return bool(self.waiting or self.live)
 
     def crash(self, exc: BaseException) -> None:
@@ -149,7 +148,7 @@ class BatchScheduler:
             ends = [0]
             for seg in request.segments:
                 ends.append(ends[-1] + len(seg.token_ids))
-            live = _Live(job, lease, cache, prefix_digests(prompt, ends, engine.model_key))
+            live = _Live(job, prompt, lease, cache, prefix_digests(prompt, ends, engine.model_key))
             sampling = request.sampling
             if sampling.temperature > 0 and sampling.seed is not None:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
@@ -191,7 +190,7 @@ class BatchScheduler:
         segment is what lets reuse pay off for short shared segments."""
         engine, request, cache = self.engine, live.request, live.cache
         runner = engine.runner
-        prompt = request.token_ids
+        prompt = live.prompt
         hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
         chunk = self.warmup_chunk if request.warmup else engine.config.prefill_chunk
         dense: list[int] = []  # positions to compute, ascending
@@ -310,7 +309,7 @@ class BatchScheduler:
         """Hand back the result: capture KV, cache the call's blocks, free its row and lease."""
         engine, request, cache = self.engine, live.request, live.cache
         try:
-            prompt = request.token_ids
+            prompt = live.prompt
             if live.finish != "stop":
                 live.text = engine.detokenize(live.generated)
             hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
