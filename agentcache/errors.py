@@ -11,6 +11,8 @@ __all__ = [
     "CapacityError",
     "TraceError",
     "InputError",
+    "Preempted",
+    "EngineUnavailableError",
 ]
 
 
@@ -57,3 +59,7 @@ class InputError(AgentCacheError, ValueError, TypeError):
 
 class Preempted(AgentCacheError):
     """A low-priority request (a warm-up) gave its place to a real call; nothing it computed was cached."""
+
+
+class EngineUnavailableError(AgentCacheError):
+    """An engine's backend (vLLM) is not installed here, or not in a version agentcache supports."""

@@ -43,6 +43,7 @@ __all__ = [
     "QWEN25_CODER_05B_GGUF",
     "assemble_split_gguf",
     "byte_tokenizer",
+    "model_directory",
 ]
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -108,6 +109,7 @@ def byte_tokenizer() -> Any:
     return tokenizer
 
 
+# Heads are 32 wide: vLLM's CPU attention kernels take head sizes in multiples of 32 only.
 _TINY_VOCAB = 320  # >= 259 byte-tokenizer ids; the unused tail is never produced by the tokenizer
 _TINY_COMMON = dict(
     vocab_size=_TINY_VOCAB,
@@ -125,7 +127,7 @@ def _tiny_llama_config() -> Any:
     # GQA (4 query heads over 2 KV heads) and llama3 rope scaling.
     return LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -139,7 +141,7 @@ def _tiny_qwen2_config() -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        hidden_size=128, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         initializer_range=0.08, use_sliding_window=False, **_TINY_COMMON,
@@ -153,14 +155,14 @@ def _tiny_gemma3_config() -> Any:
     # and linear scaling on the global base as in the larger Gemma 3 checkpoints.
     return Gemma3TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32,
         sliding_window=8,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
         },
-        query_pre_attn_scalar=16, initializer_range=0.08, **_TINY_COMMON,
+        query_pre_attn_scalar=32, initializer_range=0.08, **_TINY_COMMON,
     )
 
 
@@ -579,6 +581,33 @@ def _load_directory(name: str, path: Path, dtype: torch.dtype, requires_bos: boo
     if requires_bos is None:
         requires_bos = tokenizer.bos_token_id is not None
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, requires_bos=requires_bos)
+
+
+def model_directory(spec: str | os.PathLike[str] = DEFAULT_MODEL, *, seed: int = 0, progress: bool = True) -> Path:
+    """The HF model directory that holds `spec`'s weights, for an engine that loads from disk (vLLM).
+
+    A random-weight preset is written there once (the same weights `load_model(spec, seed=seed)`
+    builds); a real preset is its converted directory; a path is itself.
+    """
+    name = str(spec)
+    preset = PRESETS.get(name)
+    if preset is not None and preset.make_config is not None:
+        def save(work: Path) -> Path:
+            loaded = _build_random(name, preset, seed, torch.float32)
+            return _save_converted(loaded.model, loaded.tokenizer, work / "model",
+                                   f"random weights of the agentcache preset {name}, seed {seed}\n")
+
+        # the config's digest in the name: a preset whose config changes gets a new directory
+        digest = hashlib.sha256(preset.make_config().to_json_string().encode()).hexdigest()[:10]
+        return _convert_once(f"random-{name}-seed{seed}-{digest}", save)
+    if preset is not None:
+        return _real_model_directory(name, preset, progress)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"unknown model '{name}': not a preset ({', '.join(PRESETS)}) and not a directory with a config.json"
+        )
+    return path.resolve()
 
 
 def load_model(

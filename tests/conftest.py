@@ -23,9 +23,32 @@ def _embedded(preset: str, **settings) -> EmbeddedEngine:
     return make_engine(preset, **settings)
 
 
+def _vllm(preset: str, **settings):
+    from agentcache.engine.vllm import VLLMConfig, VLLMEngine
+
+    require_vllm()
+    return VLLMEngine(preset, VLLMConfig(**settings))
+
+
+def require_vllm() -> None:
+    """Skip (with the reason shown) where vLLM is not installed; in CI its absence is a failure."""
+    import os
+
+    from agentcache.engine.vllm.gate import installed_version
+
+    if installed_version() is None:
+        message = "vLLM is not installed (agentcache's `vllm` extra; scripts/setup.sh installs it on Linux x86-64)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + ": CI must run the vLLM tests")
+        pytest.skip(message)
+
+
 # Every engine implementation the conformance suite runs: kind -> factory(preset, **settings), where
 # settings are pool_blocks, prefill_chunk, prefix_caching and max_batch (what each engine maps to its own).
-ENGINE_KINDS = {"embedded": _embedded}
+ENGINE_KINDS = {"embedded": _embedded, "vllm": _vllm}
+# Marks per kind: vLLM's tests run in a pytest process of their own (scripts/test.sh), since a vLLM
+# engine fixes the process's torch threads once it starts.
+ENGINE_MARKS = {"vllm": [pytest.mark.vllm]}
 
 
 def engine_variant(engine, **settings):

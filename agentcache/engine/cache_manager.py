@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from agentcache.engine.blocks import Block, BlockCollision, BlockPool, CacheEvent
+from agentcache.engine.protocol import CacheStats
 from agentcache.errors import CapacityError
 
 __all__ = ["CacheManager", "Lease", "PrefixHit", "servable_tokens"]
@@ -102,6 +103,15 @@ class CacheManager:
     @property
     def stats(self):
         return self.pool.stats
+
+    @_locked
+    def cache_stats(self) -> CacheStats:
+        pool = self.pool
+        return CacheStats(
+            capacity_blocks=pool.capacity, cached_blocks=pool.num_used,
+            blocks_in_use=sum(1 for block in pool.blocks() if block.ref_count > 0),
+            lookup_blocks=pool.stats.lookup_blocks, hit_blocks=pool.stats.hit_blocks, evictions=pool.stats.evictions,
+        )
 
     def servable_blocks(self, prompt_len: int) -> int:
         """Full blocks a prefix hit may cover: the last prompt token is always computed."""

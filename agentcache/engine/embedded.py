@@ -11,35 +11,31 @@ unsalted, blocks at or after the first approximate token under the call's lineag
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy
-from agentcache.engine.kv import CallCache, KVLayout, SegmentKV
+from agentcache.engine.frontend import ModelFrontend
+from agentcache.engine.kv import CallCache, SegmentKV
 from agentcache.engine.loop import EngineLoop
-from agentcache.engine.runner import ModelRunner
-from agentcache.engine.scheduler import BatchScheduler
 from agentcache.engine.protocol import (
+    CacheStats,
     ExecRequest,
     ExecResult,
-    Step,
 )
-from agentcache.engine.rope import RopeAligner
-from agentcache.engine.tokens import LiteralTokenizer
+from agentcache.engine.runner import ModelRunner
+from agentcache.engine.scheduler import BatchScheduler
+from agentcache.engine.vllm.gate import set_threads
 from agentcache.errors import (
-    ContextLengthError,
     InputError,
     KVShapeError,
-    ModelLoadError,
     PlanError,
-    RopeAlignmentError,
-    SegmentError,
 )
 from agentcache.models import DEFAULT_MODEL, LoadedModel, load_model
 
@@ -129,26 +125,7 @@ def _check_pool_fits(capacity: int, block_bytes: int, device: str) -> None:
                          f"{memory / 2**30:.1f} GiB; ask for fewer blocks (or pool_bytes)")
 
 
-def _layout_of(model: torch.nn.Module) -> KVLayout:
-    """Probe one token through the model and read the KV shape of every layer."""
-    from transformers import DynamicCache
-
-    config = model.config
-    probe = DynamicCache()
-    with torch.inference_mode():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
-    shapes = {tuple(layer.keys.shape[1::2]) for layer in probe.layers}  # {(H, D)}
-    if len(shapes) != 1:
-        raise ModelLoadError(
-            f"model type '{config.model_type}' has layers with different KV shapes {sorted(shapes)}; "
-            "the embedded engine supports uniform KV layouts"
-        )
-    (heads, dim), = shapes
-    dtype = probe.layers[0].keys.dtype
-    return KVLayout(num_layers=len(probe.layers), num_kv_heads=heads, head_dim=dim, dtype=dtype)
-
-
-class EmbeddedEngine:
+class EmbeddedEngine(ModelFrontend):
     """An in-process engine over an HF causal LM with a paged exact prefix cache."""
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
@@ -157,20 +134,9 @@ class EmbeddedEngine:
         self.loaded = loaded
         # what loads these weights again (a preset name or a directory), for configs; None: unknown
         self.model_source: str | None = _source_of(model)
-        self.model_key = loaded.instance_id.encode()  # KV digests name the weights that computed them
-        self.model_name = loaded.name
         self.model = loaded.model.to(self.config.device).eval()
-        self.tokenizer = loaded.tokenizer
-        self._literal = LiteralTokenizer(loaded.tokenizer)
-        self.requires_bos = loaded.requires_bos
-        self.max_context = loaded.max_context
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.bos_token_id = self.tokenizer.bos_token_id
-        eos = self.model.config.eos_token_id
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        self._init_frontend(loaded, self.model)
         self.block_size = self.config.block_size
-        self.layout = _layout_of(self.model)
         self.runner = ModelRunner(self.model, self.layout)
         self.threads = choose_threads(self.model, self.config.threads)
         capacity = self.config.pool_blocks or max(
@@ -179,15 +145,10 @@ class EmbeddedEngine:
         _check_pool_fits(capacity, self.layout.bytes_per_token * self.block_size, self.config.device)
         self.pool = BlockPool(capacity, self.block_size, self.config.eviction, self.layout, self.config.device)
         self.cache = CacheManager(self.pool, enabled=self.config.prefix_caching)
-        try:
-            self._rope: RopeAligner | None = RopeAligner.from_model(self.model)
-            self._rope_error: RopeAlignmentError | None = None
-        except RopeAlignmentError as exc:
-            self._rope, self._rope_error = None, exc
         self.scheduler = BatchScheduler(self, self.config.max_batch, self.config.warmup_chunk)
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 
-    def with_config(self, config: EngineConfig) -> "EmbeddedEngine":
+    def with_config(self, config: EngineConfig) -> EmbeddedEngine:
         """Another engine over the same weights, with its own configuration and empty pool."""
         if config.device != self.config.device:
             raise ValueError(
@@ -200,7 +161,7 @@ class EmbeddedEngine:
         twin.model_source = self.model_source
         return twin
 
-    def fresh(self) -> "EmbeddedEngine":
+    def fresh(self) -> EmbeddedEngine:
         return self.with_config(self.config)
 
     @property
@@ -211,42 +172,7 @@ class EmbeddedEngine:
     def eviction_policy(self) -> EvictionPolicy:
         return self.pool.policy
 
-    # --- text ------------------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
-        """Literal token ids of `text` (text spelling a control token stays text); `bos=True` puts
-        the BOS token first."""
-        if not isinstance(text, str):
-            raise InputError(f"tokenize takes a str, got {type(text).__name__}")
-        ids = self._literal.encode(text)
-        if bos and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
-        return ids
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    @property
-    def chat_template(self) -> str | None:
-        template = getattr(self.tokenizer, "chat_template", None)
-        return template if isinstance(template, str) else None
-
-    def control_token_id(self, spelling: str) -> int | None:
-        return self._literal.control_id(spelling)
-
     # --- KV helpers -------------------------------------------------------------------------
-
-    @property
-    def supports_realignment(self) -> bool:
-        return self._rope is not None
-
-    def realign(self, kv: SegmentKV, start: int) -> SegmentKV:
-        """The same KV moved to positions start..; no longer exact once moved."""
-        if start == kv.start:
-            return kv
-        if self._rope is None:
-            raise self._rope_error
-        return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start)
 
     def cached_prefix_length(
         self, token_ids: Sequence[int], lineage: str | None = None, cache_salt: str | None = None
@@ -288,40 +214,14 @@ class EmbeddedEngine:
         """`submit` and wait for the result."""
         return self.submit(request).result()
 
+    def cache_stats(self) -> CacheStats:
+        return self.cache.cache_stats()
+
     def _step(self, jobs: list) -> bool:
-        if self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)  # process-wide: the last engine to step sets it
+        if self.threads is not None:
+            set_threads(self.threads)  # for this loop's thread
         with torch.inference_mode():
             return self.scheduler.step(jobs)
 
     def _crash(self, exc: BaseException) -> None:
         self.scheduler.crash(exc)
-
-    def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
-        total = len(prompt) + request.sampling.max_tokens
-        if total > self.max_context:
-            raise ContextLengthError(
-                f"call needs {len(prompt)} prompt + {request.sampling.max_tokens} generated tokens = {total}, "
-                f"more than {self.model_name}'s context of {self.max_context} tokens"
-            )
-        if self.requires_bos and prompt[0] != self.bos_token_id:
-            raise PlanError(
-                f"{self.model_name} needs its BOS token (id {self.bos_token_id}) first; the call starts with "
-                f"id {prompt[0]}: tokenize the first segment with bos=True"
-            )
-        start = 0
-        for seg in request.segments:
-            self._check_ids(seg.token_ids, f"segment '{seg.name}'")
-            if seg.step is Step.INJECT:
-                kv = seg.kv
-                kv.check(self.layout, len(seg.token_ids), f"segment '{seg.name}'")
-                if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
-                    raise KVShapeError(f"segment '{seg.name}': injected KV contains NaN or Inf")
-                if kv.start != start and self._rope is None:
-                    raise self._rope_error
-            start += len(seg.token_ids)
-
-    def _check_ids(self, token_ids: Sequence[int], what: str) -> None:
-        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
-        if bad:
-            raise SegmentError(f"{what}: token ids {bad[:5]} are not ints in [0, {self.vocab_size})")

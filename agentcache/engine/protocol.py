@@ -32,6 +32,7 @@ __all__ = [
     "ExecRequest",
     "SegmentOutcome",
     "ExecResult",
+    "CacheStats",
     "Engine",
 ]
 
@@ -171,6 +172,22 @@ class ExecResult:
         return sum(s.injected_tokens for s in self.segments)
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """An engine's prefix cache, counted in blocks since the engine started."""
+
+    capacity_blocks: int
+    cached_blocks: int  # holding KV a later call may hit
+    blocks_in_use: int  # referenced by requests in flight (0 when idle: a failed request leaks none)
+    lookup_blocks: int  # full blocks the calls' lookups asked for
+    hit_blocks: int  # of those, served from the cache
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine provides. `tests/test_engine_conformance.py` checks an implementation."""
@@ -231,3 +248,5 @@ class Engine(Protocol):
     def execute(self, request: ExecRequest) -> ExecResult:
         """`submit(request).result()`."""
         ...
+
+    def cache_stats(self) -> CacheStats: ...

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
-__all__ = ["choose_token", "find_stop", "GREEDY_BELOW"]
+__all__ = ["choose_token", "find_stop", "finish_after", "GREEDY_BELOW"]
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample like greedy decoding (softmax is one-hot there)
 
@@ -35,3 +35,23 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
     """Index in `text` where the earliest stop string begins, or None."""
     found = [i for i in (text.find(stop) for stop in stops) if i != -1]
     return min(found, default=None)
+
+
+def finish_after(
+    generated: Sequence[int], max_tokens: int, stop: Sequence[str], ignore_eos: bool,
+    eos_token_ids: Collection[int], detokenize: Callable[[Sequence[int]], str],
+) -> tuple[str, str | None] | None:
+    """Whether a request ends with its last generated token: (finish reason, text cut before the
+    stop string, or None to decode it all), or None to go on. Every engine ends requests by this
+    one rule, so they agree token for token."""
+    if generated[-1] in eos_token_ids and not ignore_eos:
+        return "eos", None
+    if stop:
+        # Decode everything again: a character split across tokens only appears once whole.
+        text = detokenize(generated)
+        cut = find_stop(text, stop)
+        if cut is not None:
+            return "stop", text[:cut]
+    if len(generated) >= max_tokens:
+        return "length", None
+    return None

@@ -29,7 +29,7 @@ from agentcache.engine.cache_manager import Lease
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
 from agentcache.engine.loop import Job
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
-from agentcache.engine.sampling import choose_token, find_stop
+from agentcache.engine.sampling import choose_token, finish_after
 from agentcache.errors import Preempted
 
 if TYPE_CHECKING:
@@ -291,17 +291,14 @@ class BatchScheduler:
                 on_token(token)
             except Exception as exc:  # noqa: BLE001 - the caller's callback fails its own request only
                 raise _CallbackError(exc) from exc
-        if token in engine.eos_token_ids and not sampling.ignore_eos:
-            live.finish = "eos"
-            return True
-        if sampling.stop:
-            # Decode everything again: a character split across tokens only appears once whole.
-            text = engine.detokenize(live.generated)
-            cut = find_stop(text, sampling.stop)
-            if cut is not None:
-                live.text, live.finish = text[:cut], "stop"
-                return True
-        return len(live.generated) >= sampling.max_tokens
+        ended = finish_after(live.generated, sampling.max_tokens, sampling.stop, sampling.ignore_eos,
+                             engine.eos_token_ids, engine.detokenize)
+        if ended is None:
+            return False
+        live.finish, text = ended
+        if text is not None:
+            live.text = text
+        return True
 
     # --- finishing ---------------------------------------------------------------------------------
 

@@ -1,0 +1,147 @@
+"""What every engine knows of its model besides running it: text, control tokens, KV shape, RoPE.
+
+Both engines (embedded and vLLM) load the model's HF config and tokenizer the same way, so they
+tokenize identically, re-align keys with the same rotary frequencies and refuse the same bad
+requests. `ModelFrontend` is that shared half; an engine sets it up with `_init_frontend` and
+adds `submit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from agentcache.engine.kv import KVLayout, SegmentKV
+from agentcache.engine.protocol import ExecRequest, Step
+from agentcache.engine.rope import RopeAligner
+from agentcache.engine.tokens import LiteralTokenizer
+from agentcache.errors import (
+    ContextLengthError,
+    InputError,
+    KVShapeError,
+    ModelLoadError,
+    PlanError,
+    RopeAlignmentError,
+    SegmentError,
+)
+from agentcache.models import LoadedModel
+
+__all__ = ["ModelFrontend", "layout_of"]
+
+
+def layout_of(model: torch.nn.Module) -> KVLayout:
+    """Probe one token through the model and read the KV shape of every layer."""
+    from transformers import DynamicCache
+
+    config = model.config
+    probe = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
+    shapes = {tuple(layer.keys.shape[1::2]) for layer in probe.layers}  # {(H, D)}
+    if len(shapes) != 1:
+        raise ModelLoadError(
+            f"model type '{config.model_type}' has layers with different KV shapes {sorted(shapes)}; "
+            "agentcache's engines support uniform KV layouts"
+        )
+    (heads, dim), = shapes
+    dtype = probe.layers[0].keys.dtype
+    return KVLayout(num_layers=len(probe.layers), num_kv_heads=heads, head_dim=dim, dtype=dtype)
+
+
+class ModelFrontend:
+    """Tokenizer, vocabulary, context length, KV layout and RoPE aligner of one loaded model."""
+
+    model_name: str
+    layout: KVLayout
+    max_context: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    vocab_size: int
+
+    def _init_frontend(self, loaded: LoadedModel, model: torch.nn.Module) -> None:
+        self.model_name = loaded.name
+        self.model_key = loaded.instance_id.encode()  # KV digests name the weights that computed them
+        self.tokenizer = loaded.tokenizer
+        self._literal = LiteralTokenizer(loaded.tokenizer)
+        self.requires_bos = loaded.requires_bos
+        self.max_context = loaded.max_context
+        self.vocab_size = int(model.config.vocab_size)
+        self.bos_token_id = self.tokenizer.bos_token_id
+        eos = model.config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        self.layout = layout_of(model)
+        try:
+            self._rope: RopeAligner | None = RopeAligner.from_model(model)
+            self._rope_error: RopeAlignmentError | None = None
+        except RopeAlignmentError as exc:
+            self._rope, self._rope_error = None, exc
+
+    # --- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
+        """Literal token ids of `text` (text spelling a control token stays text); `bos=True` puts
+        the BOS token first."""
+        if not isinstance(text, str):
+            raise InputError(f"tokenize takes a str, got {type(text).__name__}")
+        ids = self._literal.encode(text)
+        if bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def control_token_id(self, spelling: str) -> int | None:
+        return self._literal.control_id(spelling)
+
+    # --- KV helpers -------------------------------------------------------------------------
+
+    @property
+    def supports_realignment(self) -> bool:
+        return self._rope is not None
+
+    def realign(self, kv: SegmentKV, start: int) -> SegmentKV:
+        """The same KV moved to positions start..; no longer exact once moved."""
+        if start == kv.start:
+            return kv
+        if self._rope is None:
+            raise self._rope_error
+        return SegmentKV(self._rope.realign(kv.keys, kv.start, start), kv.values, start)
+
+    # --- checking a request -----------------------------------------------------------------
+
+    def _validate(self, request: ExecRequest, prompt: list[int]) -> None:
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_context:
+            raise ContextLengthError(
+                f"call needs {len(prompt)} prompt + {request.sampling.max_tokens} generated tokens = {total}, "
+                f"more than {self.model_name}'s context of {self.max_context} tokens"
+            )
+        if self.requires_bos and prompt[0] != self.bos_token_id:
+            raise PlanError(
+                f"{self.model_name} needs its BOS token (id {self.bos_token_id}) first; the call starts with "
+                f"id {prompt[0]}: tokenize the first segment with bos=True"
+            )
+        start = 0
+        for seg in request.segments:
+            self._check_ids(seg.token_ids, f"segment '{seg.name}'")
+            if seg.step is Step.INJECT:
+                kv = seg.kv
+                kv.check(self.layout, len(seg.token_ids), f"segment '{seg.name}'")
+                if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
+                    raise KVShapeError(f"segment '{seg.name}': injected KV contains NaN or Inf")
+                if kv.start != start and self._rope is None:
+                    raise self._rope_error
+            start += len(seg.token_ids)
+
+    def _check_ids(self, token_ids: Sequence[int], what: str) -> None:
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if bad:
+            raise SegmentError(f"{what}: token ids {bad[:5]} are not ints in [0, {self.vocab_size})")

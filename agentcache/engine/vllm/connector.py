@@ -1,0 +1,225 @@
+"""agentcache's KV connector for vLLM: injected segments go in, captured segments come back.
+
+vLLM builds a connector beside each engine's scheduler, and one for the workers of the whole
+process (a module global in vLLM: every engine in this process steps through the same worker
+instance). So neither half keeps tensors of its own: the worker half writes into the layers of
+the forward pass it is handed, and the scheduler half reads the paged KV tensors of its own
+engine's attention layers (in-process, the scheduler and the worker share the engine's config).
+
+- Injection: at admission vLLM asks how many tokens past its own block-aligned prefix hit the
+  connector can supply. An injected run that covers that point is claimed up to its end (a
+  connector can only extend the contiguous computed prefix; at least one prompt token is left
+  to compute). The load is synchronous: the worker writes the KV into the request's slots right
+  before the forward that reads it, through the CPU attention's own cache-write op (on this
+  CPU the key cache is stored transposed; raw indexing would corrupt it).
+- Capture: when a request finishes, before its blocks are freed, the KV of the ranges it asked
+  for (and of the generated tokens fed back) is read out through a layout learned by writing
+  known values with that same op.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks
+
+__all__ = ["AgentCacheConnector"]
+
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # learned once per cache shape and kernel
+
+
+@dataclass(frozen=True)
+class _Load:
+    key: str
+    block_ids: tuple[int, ...]  # every block of the request, in token order
+    start: int  # first position written
+    count: int
+
+
+@dataclass
+class _Loads(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+
+
+def _layer_index(name: str) -> int:
+    found = re.search(r"layers\.(\d+)\.", name)
+    if found is None:
+        raise RuntimeError(f"cannot tell the layer index of vLLM attention layer '{name}'")
+    return int(found.group(1))
+
+
+class _PagedKV:
+    """One engine's paged KV tensors, per attention layer in model order, and how to read and write them."""
+
+    def __init__(self, layers: dict[str, Any]) -> None:
+        attention = {name: layer for name, layer in layers.items()
+                     if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)}
+        self.names = sorted(attention, key=_layer_index)
+        self.layers = [attention[name] for name in self.names]
+        self.caches = [layer.kv_cache for layer in self.layers]  # each (blocks, H, bs, 2D)
+        blocks, self.heads, self.block_size, twice = self.caches[0].shape
+        self.head_dim = twice // 2
+        shape = (self.heads, self.block_size, self.head_dim, self.caches[0].dtype, self.layers[0].isa)
+        if shape not in _LAYOUTS:
+            _LAYOUTS[shape] = self._learn_layout()
+        self._key_index, self._value_index = _LAYOUTS[shape]
+
+    def _halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, heads, bs, _ = cache.shape
+        return cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """keys, values: (T, H, D); slots: (T,) int64."""
+        attn = self.layers[layer]
+        key_cache, value_cache = self._halves(self.caches[layer])
+        ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache, value_cache, slots,
+                                       attn.isa, k_scale=attn._k_scale_float, v_scale=attn._v_scale_float)
+
+    def _learn_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the cache-write op puts token t, head h, channel d inside a block: write codes
+        1..n as keys and -1..-n as values into a scratch block and see where they land."""
+        bs, heads, dim = self.block_size, self.heads, self.head_dim
+        n = bs * heads * dim
+        codes = torch.arange(1, n + 1, dtype=torch.float32).view(bs, heads, dim)  # exact in float32
+        scratch = torch.zeros((1, heads, bs, 2 * dim), dtype=self.caches[0].dtype)
+        key_cache, value_cache = self._halves(scratch)
+        attn = self.layers[0]
+        ops.cpu_attn_reshape_and_cache(codes.to(scratch.dtype), (-codes).to(scratch.dtype), key_cache, value_cache,
+                                       torch.arange(bs, dtype=torch.int64), attn.isa, k_scale=1.0, v_scale=1.0)
+        flat = scratch.flatten().to(torch.float32)
+        key_index = torch.empty(n, dtype=torch.int64)
+        value_index = torch.empty(n, dtype=torch.int64)
+        where = torch.arange(flat.numel())
+        keys, values = flat > 0, flat < 0
+        key_index[flat[keys].long() - 1] = where[keys]
+        value_index[(-flat[values]).long() - 1] = where[values]
+        if int(keys.sum()) != n or int(values.sum()) != n:
+            raise RuntimeError("could not learn vLLM's CPU KV layout: the cache-write op lost values")
+        return key_index.view(bs, heads, dim), value_index.view(bs, heads, dim)
+
+    def read(self, block_ids: list[int], begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of positions [begin, end) of a request whose blocks are `block_ids`: (L, H, T, D) each."""
+        bs = self.block_size
+        first, last = begin // bs, (end - 1) // bs + 1
+        ids = torch.tensor(block_ids[first:last], dtype=torch.int64)
+        lo, hi = begin - first * bs, end - first * bs
+        keys, values = [], []
+        for cache in self.caches:
+            blocks = cache[ids].flatten(1)  # (nblk, H*bs*2D)
+            k = blocks[:, self._key_index.flatten()].view(-1, self.heads, self.head_dim)[lo:hi]  # (T, H, D)
+            v = blocks[:, self._value_index.flatten()].view(-1, self.heads, self.head_dim)[lo:hi]
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return torch.stack(keys).clone(), torch.stack(values).clone()
+
+
+def _hooks_of(request: Any) -> tuple[str | None, RequestHooks | None]:
+    key = (getattr(request, "kv_transfer_params", None) or {}).get(EXTRA_KEY)
+    return key, REGISTRY.get(key) if key is not None else None
+
+
+def claimable(hooks: RequestHooks, computed: int, prompt_len: int) -> int:
+    """Tokens past `computed` that the request's injected runs supply contiguously (leaving the
+    last prompt token to compute)."""
+    end = computed
+    for start, keys, _ in hooks.inject:  # runs in position order
+        length = keys.shape[2]
+        if start <= end < start + length:
+            end = start + length
+    return max(0, min(end, prompt_len - 1) - computed)
+
+
+class AgentCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._own_layers = vllm_config.compilation_config.static_forward_context  # this engine's
+        self._own_kv: _PagedKV | None = None
+        self._step_kv: tuple[int, _PagedKV] | None = None
+        self._pending: list[tuple[str, Any, list[int], int]] = []
+
+    # --- worker side (shared by every engine in the process) ------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, _Loads) or not metadata.loads:
+            return
+        layers = forward_context.no_compile_layers  # the engine stepping now
+        if self._step_kv is None or self._step_kv[0] != id(layers):
+            self._step_kv = (id(layers), _PagedKV(layers))
+        paged = self._step_kv[1]
+        bs = paged.block_size
+        for load in metadata.loads:
+            hooks = REGISTRY.get(load.key)
+            if hooks is None:
+                continue
+            positions = torch.arange(load.start, load.start + load.count)
+            blocks = torch.tensor(load.block_ids, dtype=torch.int64)
+            slots = blocks[positions // bs] * bs + positions % bs  # (T,)
+            for start, keys, values in hooks.inject:  # (L, H, T, D) each
+                lo, hi = max(start, load.start), min(start + keys.shape[2], load.start + load.count)
+                if lo >= hi:
+                    continue
+                part = slots[lo - load.start : hi - load.start]
+                for layer in range(len(paged.caches)):
+                    paged.write(layer, keys[layer, :, lo - start : hi - start].transpose(0, 1),
+                                values[layer, :, lo - start : hi - start].transpose(0, 1), part)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # --- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        _, hooks = _hooks_of(request)  # may be asked more than once: no side effects here
+        if hooks is None or not hooks.inject:
+            return 0, False
+        return claimable(hooks, num_computed_tokens, request.num_prompt_tokens), False  # False: load before the forward
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        key, hooks = _hooks_of(request)
+        if hooks is not None and num_external_tokens > 0:
+            self._pending.append((key, request, list(blocks.get_block_ids()[0]), num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        loads = []
+        for key, request, block_ids, count in self._pending:
+            start = request.num_computed_tokens - count  # num_computed now counts the local hit and the claim
+            loads.append(_Load(key, tuple(block_ids), start, count))
+            hooks = REGISTRY.get(key)
+            if hooks is not None:
+                hooks.injected = count
+                hooks.injected_from = start
+        self._pending.clear()
+        return _Loads(loads)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        _, hooks = _hooks_of(request)
+        if hooks is None or not block_ids:
+            return False, None
+        computed = request.num_computed_tokens
+        hooks.finished_tokens = computed
+        if self._own_kv is None:
+            self._own_kv = _PagedKV(self._own_layers)
+        spans = [(b, e) for b, e in hooks.capture if e <= computed]
+        prompt_len = request.num_prompt_tokens
+        if hooks.capture_generated and computed > prompt_len:
+            spans.append((prompt_len, computed))
+        for begin, end in spans:
+            hooks.captured[(begin, end)] = self._own_kv.read(block_ids, begin, end)
+        return False, None

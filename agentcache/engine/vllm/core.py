@@ -1,0 +1,443 @@
+"""One vLLM engine in this process and the loop that steps it.
+
+A call becomes one or more vLLM requests ("phases"). vLLM's connector can only extend the
+contiguous prefix a request already has (its prefix hit), so an injected segment that follows
+text vLLM has not cached yet (an agent's system prompt on first use, the glue between two
+shared segments) cannot be claimed in the same request. Such a call first runs a prefill-only
+request up to that segment: its full blocks go into vLLM's prefix cache, and the KV of its last,
+partial block is read back. The next phase then hits those blocks, and the connector claims the
+partial block's KV and the injected segment together. The last phase is the call itself. If
+vLLM evicts a phase's blocks before the next admission, the claim fails and vLLM computes the
+segment itself: exact, counted as computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from agentcache.engine.frontend import ModelFrontend
+from agentcache.engine.kv import SegmentKV, prefix_digests
+from agentcache.engine.loop import EngineLoop, Job
+from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
+from agentcache.engine.sampling import finish_after
+from agentcache.engine.vllm.gate import import_vllm, set_threads
+from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
+from agentcache.models import LoadedModel, load_model, model_directory
+
+__all__ = ["VLLMCore", "Call"]
+
+_WARMUP_PRIORITY = 1 << 30  # vLLM runs smaller priorities first: warm-ups after every real call
+
+Run = tuple[int, torch.Tensor, torch.Tensor]  # (start, K, V): KV of positions start.. , (L, H, T, D) each
+
+
+@dataclass(frozen=True)
+class Call:
+    request: ExecRequest
+    salt: str  # vLLM cache_salt: the view's and the tenant's
+    inject: tuple[Run, ...]  # the INJECT segments' KV at their positions, in order
+    approx: tuple[tuple[int, int], ...]  # [start, end) of the injected runs not exact for this prompt
+
+
+@dataclass(frozen=True)
+class _Task:
+    """Work on the engine's state (a cache lookup, statistics), run on the loop thread between steps."""
+
+    run: Callable[[], Any]
+
+
+@dataclass(eq=False)
+class _Live:
+    """A call while vLLM runs it: its phases, then its tokens."""
+
+    job: Job
+    prompt: list[int]
+    lineage_key: str | None
+    approx_from: int | None
+    phase_ends: list[int]  # prompt lengths of the prefill-only phases still to run
+    lookup_limit: int | None = None  # the first phase serves no more from the cache (see _lookup_limit)
+    phase: int = 0  # how many phases ran before this one
+    previous_end: int = 0  # the prompt length of the phase before this one
+    key: str = ""  # the running phase's registry key (and vLLM request id)
+    hooks: RequestHooks | None = None
+    tails: list[Run] = field(default_factory=list)  # KV read back from earlier phases
+    claims: list[tuple[int, int]] = field(default_factory=list)  # (first, count) the connector supplied
+    hit: int | None = None  # the first phase's prefix hit: what the cache already held
+    lineage_from: int | None = None  # where that hit's lineage (approximate) part begins
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    finish: str = "length"
+    text: str | None = None
+    added: float = 0.0  # when the loop took the call
+    queued_s: float = 0.0
+
+    @property
+    def call(self) -> Call:
+        return self.job.request
+
+    @property
+    def request(self) -> ExecRequest:
+        return self.job.request.request
+
+    @property
+    def final(self) -> bool:
+        return not self.phase_ends
+
+
+def merged_runs(runs: Sequence[Run]) -> list[tuple[int, int]]:
+    """[start, end) of the injected runs, adjacent runs merged."""
+    spans: list[tuple[int, int]] = []
+    for start, keys, _ in runs:
+        end = start + keys.shape[2]
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def phase_ends(runs: Sequence[Run], hit: int) -> list[int]:
+    """Where prefill-only phases must stop: before each injected run that does not follow what
+    the cache (or the previous claim) already covers."""
+    ends, reach = [], hit
+    for start, end in merged_runs(runs):
+        if start > reach:
+            ends.append(start)
+        reach = end
+    return ends
+
+
+class VLLMCore:
+    """One vLLM engine and the loop that steps it."""
+
+    _shared: dict[tuple, "VLLMCore"] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, model: LoadedModel | str, config: Any) -> "VLLMCore":
+        """The core for this model and these settings, built once per process (a vLLM engine
+        takes seconds to start and holds its KV cache for good)."""
+        source = model.name if isinstance(model, LoadedModel) else str(model)
+        with cls._shared_lock:
+            key = (source, config.core_settings)
+            core = cls._shared.get(key)
+            if core is None:
+                core = cls._shared[key] = cls(model, config)
+            return core
+
+    def __init__(self, model: LoadedModel | str, config: Any) -> None:
+        from agentcache.engine.embedded import choose_threads
+
+        self.source = model.name if isinstance(model, LoadedModel) else str(model)
+        self.directory = model_directory(self.source)
+        loaded = model if isinstance(model, LoadedModel) else load_model(self.source)
+        self.frontend = ModelFrontend()
+        self.frontend._init_frontend(loaded, loaded.model)
+        self.frontend.model_key = _weights_key(self.directory)  # cores over the same files compute the same KV
+        self.block_size = config.block_size
+        self.prefix_caching = config.prefix_caching
+        self.threads = choose_threads(loaded.model, config.threads) or torch.get_num_threads()
+        self.max_model_len = min(config.max_model_len or min(loaded.max_context, 16384), loaded.max_context)
+        if config.pool_blocks is not None:  # vLLM refuses a context its pool cannot hold
+            self.max_model_len = min(self.max_model_len, config.pool_blocks * config.block_size)
+        del loaded  # vLLM loads its own copy of the weights
+
+        vllm = import_vllm(self.threads)
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from agentcache.engine.vllm.logits import LastPromptLogits
+
+        blocks = None if config.pool_blocks is None else config.pool_blocks + 1  # vLLM keeps one as its null block
+        block_bytes = config.block_size * self.frontend.layout.bytes_per_token
+        args = EngineArgs(
+            model=str(self.directory), dtype="float32", block_size=config.block_size,
+            enable_prefix_caching=config.prefix_caching, enforce_eager=True, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_batch, max_num_batched_tokens=max(config.prefill_chunk, config.max_batch),
+            enable_chunked_prefill=True, num_gpu_blocks_override=blocks,
+            kv_cache_memory_bytes=blocks * block_bytes if blocks else config.kv_cache_bytes,
+            scheduling_policy="priority", disable_log_stats=False, skip_tokenizer_init=True,
+            generation_config="vllm", logits_processors=[LastPromptLogits], seed=0,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="AgentCacheConnector", kv_connector_module_path="agentcache.engine.vllm.connector",
+                kv_role="kv_both",
+            ),
+            scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
+        )
+        self.vllm_version = vllm.__version__
+        self.engine = LLMEngine.from_engine_args(args)
+        self._sampling_params = vllm.SamplingParams
+        self._delta = RequestOutputKind.DELTA
+        self._live: dict[str, _Live] = {}  # by the running phase's key
+        self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
+
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.engine_core.engine_core.scheduler
+
+    def submit(self, call: Call) -> Future:
+        return self._loop.submit(call).future
+
+    def between_steps(self, run: Callable[[], Any]) -> Future:
+        """Run `run()` on the loop thread between engine steps (vLLM's state is the loop's alone)."""
+        return self._loop.submit(_Task(run)).future
+
+    def lookup(self, token_ids: Sequence[int], salt: str, lineage: str | None) -> tuple[int, int | None]:
+        """(tokens the prefix cache serves now, where its lineage part begins); loop thread only."""
+        from agentcache.engine.vllm.scheduler import cached_tokens
+
+        if not self.prefix_caching:
+            return 0, None
+        return cached_tokens(self.scheduler, token_ids, salt, lineage)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _step(self, jobs: list[Job]) -> bool:
+        set_threads(self.threads)  # vLLM's attention plans and runs with this thread's team size
+        for job in jobs:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                if isinstance(job.request, _Task):
+                    job.future.set_result(job.request.run())
+                else:
+                    self._start(job)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
+                job.future.set_exception(exc)
+        if self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                live = self._live.get(output.request_id)
+                if live is not None:
+                    self._on_output(live, output)
+        return bool(self._live) or self.engine.has_unfinished_requests()
+
+    def _crash(self, exc: BaseException) -> None:
+        for live in list(self._live.values()):
+            self._drop(live, exc)
+
+    # --- a call's phases -----------------------------------------------------------------------
+
+    def _start(self, job: Job) -> None:
+        call: Call = job.request
+        request = call.request
+        prompt = request.token_ids
+        hit, lineage_from = self.lookup(prompt, call.salt, request.lineage)
+        limit = _lookup_limit(request)
+        if limit is not None:
+            hit = min(hit, limit // self.block_size * self.block_size)
+        # Blocks from the first approximate token on are hashed under the lineage: this call's own
+        # approximate KV (injected from the hit on at the earliest), or the approximate
+        # continuation its lineage cached before.
+        approx = [max(start, hit) for start, end in call.approx if end > hit]
+        approx += [lineage_from] if lineage_from is not None else []
+        approx_from = min(approx, default=None)
+        lineage_key = None
+        if approx_from is not None:
+            lineage_key = request.lineage or f"private/{uuid.uuid4().hex}"  # no lineage: nobody reuses it
+        live = _Live(job, prompt, lineage_key, approx_from, phase_ends(call.inject, hit),
+                     lineage_from=lineage_from, lookup_limit=limit, added=time.perf_counter())
+        self._launch(live)
+
+    def _launch(self, live: _Live) -> None:
+        """Add the live call's next phase to vLLM."""
+        request, call = live.request, live.call
+        final = live.final
+        length = len(live.prompt) if final else live.phase_ends[0]
+        key = new_key()
+        hooks = RequestHooks(inject=sorted(live.tails + list(call.inject), key=lambda run: run[0]),
+                             approx_from=live.approx_from, lineage_key=live.lineage_key)
+        # The first phase may be served what its plan allows; a later one only what the phase
+        # before it computed (the rest is claimed from the plan's KV, or computed).
+        hooks.lookup_limit = live.lookup_limit if live.phase == 0 else live.previous_end
+        hooks.uncounted = live.phase > 0 or request.warmup
+        if final:
+            start = 0
+            for seg in request.segments:
+                if request.capture_kv and seg.capture:
+                    hooks.capture.append((start, start + len(seg.token_ids)))
+                start += len(seg.token_ids)
+            hooks.capture_generated = request.capture_kv
+        else:
+            tail = (length // self.block_size) * self.block_size  # the partial block the next phase cannot hit
+            if tail < length:
+                hooks.capture.append((tail, length))
+        sampling = request.sampling
+        params = self._sampling_params(
+            n=1, max_tokens=sampling.max_tokens if final else 1, temperature=sampling.temperature,
+            top_p=sampling.top_p, seed=sampling.seed, ignore_eos=True, detokenize=False, output_kind=self._delta,
+            extra_args={EXTRA_KEY: key, "kv_transfer_params": {EXTRA_KEY: key}},
+        )
+        prompt = {"prompt_token_ids": live.prompt[:length], "cache_salt": call.salt}
+        priority = request.priority + (_WARMUP_PRIORITY if request.warmup else 0)
+        REGISTRY[key] = hooks
+        live.key, live.hooks = key, hooks
+        self._live[key] = live
+        try:
+            self.engine.add_request(key, prompt, params, priority=priority)
+        except Exception:
+            self._live.pop(key, None)
+            REGISTRY.pop(key, None)
+            raise
+
+    def _on_output(self, live: _Live, output: Any) -> None:
+        hooks = live.hooks
+        if live.hit is None and (output.num_cached_tokens is not None):
+            live.hit = max(0, output.num_cached_tokens - hooks.injected)
+            metrics = output.metrics  # engine-core clock: how long vLLM kept it waiting
+            waited = 0.0 if metrics is None else max(0.0, metrics.scheduled_ts - metrics.queued_ts)
+            live.queued_s = (live.added - live.job.submitted) + waited
+        if not live.final:
+            if output.finished:
+                self._next_phase(live)
+            return
+        tokens = output.outputs[0].token_ids if output.outputs else []
+        if tokens and live.first_token_at is None:
+            live.first_token_at = time.perf_counter()
+        try:
+            ended = self._take(live, tokens)
+        except Exception as exc:  # noqa: BLE001 - the caller's on_token fails its own request only
+            self._drop(live, exc)
+            return
+        if ended and not output.finished:
+            self.engine.abort_request([live.key])  # the connector reads its KV back in here
+        if ended or output.finished:
+            self._finish(live)
+
+    def _next_phase(self, live: _Live) -> None:
+        hooks = REGISTRY.pop(live.key, None) or live.hooks
+        del self._live[live.key]
+        if hooks.injected:
+            live.claims.append((hooks.injected_from, hooks.injected))
+        live.tails.extend((begin, kv[0], kv[1]) for (begin, _), kv in hooks.captured.items())
+        live.previous_end = live.phase_ends.pop(0)
+        live.phase += 1
+        try:
+            self._launch(live)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(live, exc)
+
+    def _take(self, live: _Live, tokens: Sequence[int]) -> bool:
+        """Hand the step's new tokens on; returns whether the call ended by agentcache's rule."""
+        sampling = live.request.sampling
+        on_token = live.request.on_token
+        for token in tokens:
+            live.generated.append(int(token))
+            if on_token is not None:
+                on_token(int(token))
+            ended = finish_after(live.generated, sampling.max_tokens, sampling.stop, sampling.ignore_eos,
+                                 self.frontend.eos_token_ids, self.frontend.detokenize)
+            if ended is not None:
+                live.finish, live.text = ended
+                return True
+        return False
+
+    def _finish(self, live: _Live) -> None:
+        self._live.pop(live.key, None)
+        hooks = REGISTRY.pop(live.key, None) or live.hooks
+        if hooks.injected:
+            live.claims.append((hooks.injected_from, hooks.injected))
+        try:
+            result = self._result(live, hooks)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(live, exc)
+            return
+        live.job.future.set_result(result)
+
+    def _drop(self, live: _Live, exc: BaseException) -> None:
+        self._live.pop(live.key, None)
+        REGISTRY.pop(live.key, None)
+        try:
+            self.engine.abort_request([live.key])
+        except Exception:  # noqa: BLE001 - the engine is failing anyway
+            pass
+        self._fail(live, exc)
+
+    def _fail(self, live: _Live, exc: BaseException) -> None:
+        if not live.job.future.done():
+            live.job.future.set_exception(exc)
+
+    # --- the result ----------------------------------------------------------------------------------
+
+    def _result(self, live: _Live, hooks: RequestHooks) -> ExecResult:
+        request, prompt, call = live.request, live.prompt, live.call
+        if hooks.last_logits is None:
+            raise RuntimeError("vLLM produced no logits row for the call's last prompt position")
+        text = live.text if live.text is not None else self.frontend.detokenize(live.generated)
+        hit = live.hit or 0
+        injected = _injected_positions(live.claims, merged_runs(call.inject))
+        approximate = [p for p in injected if any(start <= p < end for start, end in call.approx)]
+        if live.lineage_from is not None and live.lineage_from < hit:
+            approximate.append(live.lineage_from)
+        first_approx = min(approximate, default=None)  # KV ending after it is not exact
+        fed = live.generated[:-1]
+        cuts = [end for _, end in hooks.capture] + ([len(prompt) + len(fed)] if fed else [])
+        digests = prefix_digests(prompt + fed, cuts, self.frontend.model_key)
+
+        def as_kv(span: tuple[int, int]) -> SegmentKV | None:
+            captured = hooks.captured.get(span)
+            if captured is None:
+                return None
+            exact = first_approx is None or span[1] <= first_approx
+            return SegmentKV(captured[0], captured[1], span[0], digests[span[1]] if exact else None)
+
+        outcomes, start = [], 0
+        lineage_from = live.lineage_from if live.lineage_from is not None else hit
+        for seg in request.segments:
+            end = start + len(seg.token_ids)
+            cached = max(0, min(end, hit) - start)
+            inj = sum(1 for p in range(max(start, hit), end) if p in injected)
+            outcomes.append(SegmentOutcome(
+                name=seg.name, step=seg.step, start=start, length=len(seg.token_ids), cached_tokens=cached,
+                computed_tokens=len(seg.token_ids) - cached - inj, injected_tokens=inj,
+                kv=as_kv((start, end)) if (start, end) in hooks.captured else None,
+                lineage_tokens=max(0, min(end, hit) - max(start, lineage_from)),
+            ))
+            start = end
+        generated_kv = as_kv((len(prompt), len(prompt) + len(fed))) if fed and hooks.capture_generated else None
+        first = live.first_token_at or time.perf_counter()
+        return ExecResult(
+            token_ids=list(live.generated), text=text, finish_reason=live.finish, prompt_tokens=len(prompt),
+            cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
+            segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
+        )
+
+
+def _weights_key(directory: Path) -> bytes:
+    """What names vLLM's KV for the weights in `directory`: its path and its weight files' sizes
+    and modification times (KV digests made under one key are exact only for those weights)."""
+    digest = hashlib.blake2b(b"vllm:" + str(directory).encode(), digest_size=16)
+    for weights in sorted(directory.glob("*.safetensors")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.digest()
+
+
+def _lookup_limit(request: ExecRequest) -> int | None:
+    """Where the cache may serve a call no further: its first DENSE segment (the leading PREFIX and
+    INJECT segments are looked up; a DENSE one is computed under its real context)."""
+    start = 0
+    for seg in request.segments:
+        if seg.step is Step.DENSE:
+            return start
+        start += len(seg.token_ids)
+    return None
+
+
+def _injected_positions(claims: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> set[int]:
+    """Positions the connector supplied from the plan's injected KV (not from a phase's tail)."""
+    positions: set[int] = set()
+    for first, count in claims:
+        for start, end in runs:
+            positions.update(range(max(first, start), min(first + count, end)))
+    return positions

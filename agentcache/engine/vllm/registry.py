@@ -1,0 +1,54 @@
+"""What the engine and its hooks inside vLLM (logits processor, KV connector, scheduler) share.
+
+They run in one process and one thread (the engine loop steps vLLM), but vLLM builds the hooks
+itself and hands them only a request's `SamplingParams` (the logits processor) or its `Request`
+(connector, scheduler). So each request carries a key in `SamplingParams.extra_args`, and the
+engine files what the hooks need under that key here, and the hooks file what they produce.
+Keys are unique per process, so one registry serves every engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["RequestHooks", "REGISTRY", "new_key", "key_of", "EXTRA_KEY"]
+
+EXTRA_KEY = "agentcache_key"  # SamplingParams.extra_args entry naming the request's RequestHooks
+_keys = itertools.count()
+
+
+def new_key() -> str:
+    return f"ac{next(_keys)}"
+
+
+@dataclass(eq=False)
+class RequestHooks:
+    """One request's business with the hooks: what to inject, capture and record, and what came back."""
+
+    # in: set by the engine before the request is added
+    inject: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (start, K, V) runs
+    capture: list[tuple[int, int]] = field(default_factory=list)  # [begin, end) position ranges to read back
+    capture_generated: bool = False  # also read back the KV of the generated tokens fed to the model
+    approx_from: int | None = None  # first position whose KV is approximate (hashed under `lineage_key`)
+    lineage_key: str | None = None
+    lookup_limit: int | None = None  # serve no more than this many tokens from the prefix cache
+    uncounted: bool = False  # not a call's first lookup (a later phase, a warm-up): out of the hit statistics
+    # out: filled by the hooks
+    last_logits: torch.Tensor | None = None  # (V,) float32 at the last prompt position
+    injected: int = 0  # tokens the connector claimed
+    injected_from: int | None = None  # the first of them
+    captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    finished_tokens: int = 0  # tokens whose KV was in the cache when the request finished
+
+
+REGISTRY: dict[str, RequestHooks] = {}
+
+
+def key_of(params: Any) -> str | None:
+    """The registry key a request's SamplingParams carries, if any."""
+    extra = getattr(params, "extra_args", None) or {}
+    return extra.get(EXTRA_KEY)
