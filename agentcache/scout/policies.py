@@ -92,6 +92,7 @@ class SurvivalPolicy(EvictionPolicy):
     the paper's Algorithm 1."""
 
     name = "survival"
+    SHARED = _SHARED  # the session of a block several sessions touched
 
     def __init__(self, config: ScoutConfig | None = None) -> None:
         self.config = config or ScoutConfig()
@@ -153,20 +154,27 @@ class SurvivalPolicy(EvictionPolicy):
         self.session_of[block.block_id] = _FRESH
 
     def survival(self, block_id: int) -> float:
-        agent = self.agent_of[block_id]
+        return self.survival_of(self.agent_of[block_id], self.session_of[block_id])
+
+    def survival_of(self, agent: int, session: object) -> float:
+        """Survival of a block last touched by `agent` (an index; -1: unknown) in `session`
+        (`SHARED` when several sessions touched it)."""
         if agent < 0:
             return 0.0
-        owner = self.session_of[block_id]
-        if owner is _SHARED or not self.config.per_session:
+        if session is _SHARED or not self.config.per_session:
             return self.scorer.survival_of(agent)
-        current = self.scorer.active_now.get(owner)  # the session's agent now, if the session is active
+        current = self.scorer.active_now.get(session)  # the session's agent now, if the session is active
         return 0.0 if current is None else self.scorer.survival_from(current)[agent]
+
+    def score(self, survival: float, last_step: int, tokens: int) -> float:
+        """Eq. 9 for a block of `tokens` tokens last touched at dispatch `last_step`."""
+        c = self.config
+        recency = math.exp(-c.decay * (self.step - last_step))
+        return (survival + c.floor) * (recency + c.floor) * tokens
 
     def priority(self, block: "Block") -> Any:
         block_id = block.block_id
-        c = self.config
-        recency = math.exp(-c.decay * (self.step - self.last_step[block_id]))
-        return (self.survival(block_id) + c.floor) * (recency + c.floor) * len(block.token_ids)
+        return self.score(self.survival(block_id), self.last_step[block_id], len(block.token_ids))
 
     def state_bytes(self) -> int:
         """Bytes of the runtime state: transition counts, graph, survival tables, block map."""

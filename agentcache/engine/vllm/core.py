@@ -31,7 +31,9 @@ from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, 
 from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
+from agentcache.errors import InputError
 from agentcache.models import LoadedModel, load_model, model_directory
+from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["VLLMCore", "Call"]
 
@@ -67,6 +69,7 @@ class _Live:
     lookup_limit: int | None = None  # the first phase serves no more from the cache (see _lookup_limit)
     phase: int = 0  # how many phases ran before this one
     previous_end: int = 0  # the prompt length of the phase before this one
+    visit: Any = None  # the eviction policy's record of the call's dispatch
     key: str = ""  # the running phase's registry key (and vLLM request id)
     hooks: RequestHooks | None = None
     tails: list[Run] = field(default_factory=list)  # KV read back from earlier phases
@@ -177,6 +180,9 @@ class VLLMCore:
         )
         self.vllm_version = vllm.__version__
         self.engine = LLMEngine.from_engine_args(args)
+        self.policy = _eviction_policy(config.eviction)
+        if self.policy is not None:
+            self.scheduler.use_survival(self.policy)
         self._sampling_params = vllm.SamplingParams
         self._delta = RequestOutputKind.DELTA
         self._live: dict[str, _Live] = {}  # by the running phase's key
@@ -256,7 +262,8 @@ class VLLMCore:
         length = len(live.prompt) if final else live.phase_ends[0]
         key = new_key()
         hooks = RequestHooks(inject=sorted(live.tails + list(call.inject), key=lambda run: run[0]),
-                             approx_from=live.approx_from, lineage_key=live.lineage_key)
+                             approx_from=live.approx_from, lineage_key=live.lineage_key, owner=request.owner,
+                             session=request.session, warmup=request.warmup, visit=live.visit)
         # The first phase may be served what its plan allows; a later one only what the phase
         # before it computed (the rest is claimed from the plan's KV, or computed).
         hooks.lookup_limit = live.lookup_limit if live.phase == 0 else live.previous_end
@@ -285,6 +292,7 @@ class VLLMCore:
         self._live[key] = live
         try:
             self.engine.add_request(key, prompt, params, priority=priority)
+            live.visit = hooks.visit  # the first phase's dispatch: later phases are the same call
         except Exception:
             self._live.pop(key, None)
             REGISTRY.pop(key, None)
@@ -356,11 +364,11 @@ class VLLMCore:
 
     def _drop(self, live: _Live, exc: BaseException) -> None:
         self._live.pop(live.key, None)
-        REGISTRY.pop(live.key, None)
         try:
-            self.engine.abort_request([live.key])
+            self.engine.abort_request([live.key])  # its blocks are freed under its tag, so abort first
         except Exception:  # noqa: BLE001 - the engine is failing anyway
             pass
+        REGISTRY.pop(live.key, None)
         self._fail(live, exc)
 
     def _fail(self, live: _Live, exc: BaseException) -> None:
@@ -411,6 +419,18 @@ class VLLMCore:
             cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
             segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
         )
+
+
+def _eviction_policy(eviction: Any) -> SurvivalPolicy | None:
+    """"lru": vLLM's own order (None); "survival" or a SurvivalPolicy: CacheScout's."""
+    if eviction == "lru":
+        return None
+    if eviction == "survival":
+        return SurvivalPolicy()
+    if isinstance(eviction, SurvivalPolicy):
+        return eviction
+    raise InputError(f"the vLLM engine's eviction is 'lru' (vLLM's own) or 'survival' (CacheScout), or a "
+                     f"SurvivalPolicy; got {eviction!r}")
 
 
 def _weights_key(directory: Path) -> bytes:

@@ -36,6 +36,7 @@ from agentcache.engine.protocol import CacheStats, ExecRequest, ExecResult, Step
 from agentcache.engine.vllm.core import Call, VLLMCore
 from agentcache.errors import InputError, PlanError
 from agentcache.models import DEFAULT_MODEL, LoadedModel
+from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["VLLMEngine", "VLLMConfig"]
 
@@ -51,6 +52,10 @@ class VLLMConfig:
     # for any segment after the first: see core.py)
     max_model_len: int | None = None  # None: the model's context, at most 16,384 tokens
     threads: int | None = None  # torch threads for the whole process (vLLM fixes them at start)
+    eviction: str | SurvivalPolicy = "lru"  # "lru": vLLM's own order; "survival": CacheScout's (eviction.py)
+    # Engines with equal settings share one vLLM engine (its weights, KV capacity and eviction
+    # policy); a name of its own gets a separate one (e.g. to compare strategies on separate pools).
+    instance: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_batch", "prefill_chunk"):
@@ -67,8 +72,9 @@ class VLLMConfig:
     @property
     def core_settings(self) -> tuple:
         """What a vLLM engine is built with: views with equal settings share one."""
+        eviction = self.eviction if isinstance(self.eviction, str) else id(self.eviction)
         return (self.block_size, self.pool_blocks, self.kv_cache_bytes, self.max_batch, self.prefill_chunk,
-                self.prefix_caching, self.max_model_len, self.threads)
+                self.prefix_caching, self.max_model_len, self.threads, eviction, self.instance)
 
 
 class VLLMEngine(ModelFrontend):
@@ -107,7 +113,8 @@ class VLLMEngine(ModelFrontend):
 
     @property
     def eviction_policy(self) -> EvictionPolicy | None:
-        return None  # vLLM's own free-block order
+        """The Survival policy ordering vLLM's free blocks, or None for vLLM's own LRU."""
+        return self._core.policy
 
     @property
     def model_directory(self) -> Path:

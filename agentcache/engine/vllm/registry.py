@@ -35,6 +35,10 @@ class RequestHooks:
     capture_generated: bool = False  # also read back the KV of the generated tokens fed to the model
     approx_from: int | None = None  # first position whose KV is approximate (hashed under `lineage_key`)
     lineage_key: str | None = None
+    owner: str | None = None  # the agent, session and kind of the call: the eviction policy's dispatch
+    session: str | None = None
+    warmup: bool = False
+    visit: Any = None  # the policy's record of the dispatch (its tag for the blocks the call releases)
     lookup_limit: int | None = None  # serve no more than this many tokens from the prefix cache
     uncounted: bool = False  # not a call's first lookup (a later phase, a warm-up): out of the hit statistics
     # out: filled by the hooks

@@ -17,8 +17,11 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from agentcache.engine.eviction import Dispatch
 from agentcache.engine.protocol import CacheStats
+from agentcache.engine.vllm.eviction import SurvivalFreeQueue
 from agentcache.engine.vllm.registry import REGISTRY, key_of
+from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["AgentCacheScheduler", "cached_tokens"]
 
@@ -51,6 +54,7 @@ class AgentCacheScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        self.policy: SurvivalPolicy | None = None  # None: vLLM's own LRU order
         self.lookup_blocks = self.hit_blocks = self.evictions = 0  # agentcache's CacheStats
         manager = self.kv_cache_manager
         manager.get_computed_blocks = _capped(self, manager)
@@ -73,8 +77,34 @@ class AgentCacheScheduler(Scheduler):
             hit_blocks=self.hit_blocks, evictions=self.evictions,
         )
 
+    def use_survival(self, policy: SurvivalPolicy) -> None:
+        """Order free-block reuse by CacheScout's survival score (see eviction.py); call before
+        the first request."""
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        policy.attach(pool.num_gpu_blocks, self.block_size)
+        queue = SurvivalFreeQueue(pool.free_block_queue.get_all_free_blocks(), policy, self.block_size)
+        pool.free_block_queue = queue
+        self.policy = policy
+        free = manager.free
+
+        def tagged_free(request: Any) -> None:
+            """Free a request's blocks under the tag of the agent and session that ran it."""
+            hooks = REGISTRY.get(key_of(request.sampling_params))
+            queue.link_chain(list(manager.get_blocks(request.request_id).blocks[0]))
+            queue.releasing = None if hooks is None else hooks.visit
+            try:
+                free(request)
+            finally:
+                queue.releasing = None
+
+        manager.free = tagged_free
+
     def add_request(self, request: Any) -> None:
         hooks = REGISTRY.get(key_of(request.sampling_params))
+        if hooks is not None and self.policy is not None and hooks.visit is None:  # the call's dispatch
+            hooks.visit = self.policy.begin_request(Dispatch(
+                request.prompt_token_ids, hooks.owner, hooks.session, warmup=hooks.warmup))
         if hooks is not None and hooks.approx_from is not None and request.request_id not in self.requests:
             request._block_hasher = _lineage_hasher(self.hash_block_size, self.hash_fn, hooks.lineage_key,
                                                     hooks.approx_from)

