@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentcache.engine.choice import ENGINE_KINDS
 from agentcache.errors import AgentCacheError
 
 if TYPE_CHECKING:  # the scout package is imported only by the trace commands
@@ -67,7 +68,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _check_model(args.model)
     sample = importlib.import_module(f"samples.{args.sample}.run")
-    print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} under "
+    print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} ({args.engine} engine) under "
           f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
     return sample.run_and_report(args, "demo" if args.sample == "gsm8k_swarm" else f"demo_{args.sample}")
 
@@ -244,11 +245,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from agentcache.engine import EmbeddedEngine
+    from agentcache.engine.choice import open_engine
     from agentcache.selfcheck import check_model
 
     _check_model(args.model)
-    report = check_model(EmbeddedEngine(args.model))
+    report = check_model(open_engine(args.engine, args.model))
     print(json.dumps(report.to_dict(), indent=2))
     print(("PASSED: " if report.passed else "FAILED: ") + report.reason, file=sys.stderr)
     return 0 if report.passed else 1
@@ -315,6 +316,7 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
     check.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    check.add_argument("--engine", default="embedded", choices=ENGINE_KINDS, help="the engine to check on")
     check.set_defaults(run=_cmd_check)
     return parser
 

@@ -54,28 +54,21 @@ def _vocab_mapper(vocab_size: int, bos: int | None):
     return to_model
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="10 sessions with halved lengths (< 60 s on 2 cores)")
-    parser.add_argument("--model", default="mid-llama")
-    parser.add_argument("--sessions", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    sessions = args.sessions or (10 if args.quick else 32)
-    started = time.perf_counter()
-
+def run_selector(make_engine, args, block_size: int, quick_sessions: int = 10) -> dict:
+    """Replay the selector trace `args` describe through the three runtimes; `make_engine(name,
+    pool_blocks, eviction)` builds each one's engine (each with a pool of its own)."""
+    sessions = args.sessions or (quick_sessions if args.quick else 32)
     lengths = dict(prefix_tokens=(128, 320), query_tokens=32, output_tokens=24) if args.quick else {}
     spec = WorkloadSpec(topology="selector", sessions=sessions, seed=args.seed, **lengths)
     trace = generate(spec)
-    base = EmbeddedEngine(args.model)
-    to_model = _vocab_mapper(base.vocab_size, base.bos_token_id)
-    bos = (base.bos_token_id,) if base.bos_token_id is not None else ()
-    capacity = int((trace.max_request_blocks(16) + 1) * 1.25)
+    capacity = int((trace.max_request_blocks(block_size) + 1) * 1.25)
     runtimes = {}
     for name in CONFIGS:
-        engine = base.with_config(EngineConfig(pool_blocks=capacity, eviction="lru" if name == "lru" else "survival"))
+        engine = make_engine(name, capacity, "lru" if name == "lru" else "survival")
         runtimes[name] = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=name == "survival_prefetch"))
+    first = runtimes[CONFIGS[0]].engine
+    to_model = _vocab_mapper(first.vocab_size, first.bos_token_id)
+    bos = (first.bos_token_id,) if first.bos_token_id is not None else ()
 
     ttft: dict[str, list[float]] = {name: [] for name in CONFIGS}
     cached = {name: 0 for name in CONFIGS}
@@ -95,14 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
             prompt[name] += result.prompt_tokens
 
     mean = {n: statistics.fmean(v) for n, v in ttft.items()}
-    result = {
-        "benchmark": "scout_ttft",
+    return {
         "model": args.model,
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
         "workload": {"topology": "selector", "sessions": sessions, "concurrent": spec.concurrent, "turns": spec.turns,
                      "prefix_tokens": list(spec.prefix_tokens), "query_tokens": spec.query_tokens,
                      "output_tokens": spec.output_tokens, "requests": len(trace), "pool_blocks": capacity,
-                     "largest_request_blocks": trace.max_request_blocks(16)},
+                     "block_size": block_size, "largest_request_blocks": trace.max_request_blocks(block_size)},
         "mean_ttft_s": {n: round(v, 5) for n, v in mean.items()},
         "median_ttft_s": {n: round(statistics.median(v), 5) for n, v in ttft.items()},
         "ttft_ratio_survival_vs_lru": round(mean["survival"] / mean["lru"], 3),
@@ -112,6 +104,27 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup_s": round(runtimes["survival_prefetch"].warmup_s, 2),  # engine time of warm-ups, between calls
         "prefill_s": {n: round(sum(r.total_s for r in runtimes[n].results), 2) for n in CONFIGS},  # calls' own time
     }
+
+
+def selector_arguments(parser: argparse.ArgumentParser, model: str) -> None:
+    parser.add_argument("--quick", action="store_true", help="10 sessions with halved lengths (< 60 s on 2 cores)")
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--sessions", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    selector_arguments(parser, "mid-llama")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    base = EmbeddedEngine(args.model)
+
+    def make_engine(name: str, pool_blocks: int, eviction: str) -> EmbeddedEngine:
+        return base.with_config(EngineConfig(pool_blocks=pool_blocks, eviction=eviction))
+
+    result = {"benchmark": "scout_ttft", **run_selector(make_engine, args, base.block_size)}
     result["wall_s"] = round(time.perf_counter() - started, 1)
     emit(result, args.out)
     return result

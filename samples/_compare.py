@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from agentcache import EmbeddedEngine, Runtime, check_model
+from agentcache import Runtime, check_model
+from agentcache.engine.choice import open_engine
 from agentcache.metrics import CallResult, summarize
 
 __all__ = ["StrategyRuns", "agent_means", "answer_scores", "figures", "format_table", "progress", "runtime_figures",
@@ -19,12 +20,14 @@ __all__ = ["StrategyRuns", "agent_means", "answer_scores", "figures", "format_ta
 
 @dataclass
 class StrategyRuns:
-    """One Runtime per strategy, each on its own block pool over the same model weights. The model
-    self-check runs once and is shared (it does not depend on the strategy)."""
+    """One Runtime per strategy, each on its own block pool (embedded: over the same model weights;
+    vLLM: an engine each). The model self-check runs once and is shared (it does not depend on the
+    strategy)."""
 
     model: str
     strategies: Sequence[str]
     progress: bool = True
+    engine: str = "embedded"  # or "vllm": each strategy then has a vLLM engine of its own
     runtimes: dict[str, Runtime] = field(init=False)
     setup_s: float = field(init=False)  # loading and checking the model
 
@@ -33,12 +36,14 @@ class StrategyRuns:
 
         started = time.perf_counter()
         with tqdm(total=2, desc=f"loading {self.model}", unit="step", disable=not self.progress) as bar:
-            base = EmbeddedEngine(self.model)
+            base = open_engine(self.engine, self.model, instance="check")
             bar.set_description(f"checking {self.model} (agentcache check)")
             bar.update(1)
             check = check_model(base)
             bar.update(1)
-        self.runtimes = {s: Runtime(base.fresh(), strategy=s, check=check) for s in self.strategies}
+        engines = {s: base.fresh() if self.engine == "embedded" else open_engine(self.engine, self.model, instance=s)
+                   for s in self.strategies}
+        self.runtimes = {s: Runtime(engines[s], strategy=s, check=check) for s in self.strategies}
         self.setup_s = time.perf_counter() - started
 
     def order(self, round_index: int) -> list[str]:

@@ -84,7 +84,7 @@ def test_trace_generate_record_and_replay(tmp_path, capsys):
 
 def test_core_and_the_command_never_import_a_framework():
     code = ("import sys, agentcache, agentcache.cli, agentcache.runtime, agentcache.transcript, agentcache.streaming\n"
-            "loaded = [m for m in ('autogen_core', 'autogen_agentchat', 'langgraph', 'langchain_core') if m in sys.modules]\n"
+            "loaded = [m for m in ('autogen_core', 'autogen_agentchat', 'langgraph', 'langchain_core', 'vllm') if m in sys.modules]\n"
             "print(loaded)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert proc.stdout.strip() == "[]"

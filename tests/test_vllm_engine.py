@@ -248,3 +248,45 @@ def test_warmups_run_as_low_priority_requests_and_raise_the_hit_rate():
     stats = rt.engine.cache_stats()
     bs = rt.engine.block_size
     assert stats.lookup_blocks == sum((len(r.prompt_ids) - 1) // bs for r in results)  # ... and no lookups
+
+
+# --- the demo, the command and the benchmarks on vLLM ------------------------------------------------
+
+def test_demo_and_check_run_on_vllm(tmp_path, capsys):
+    from agentcache.cli import main
+
+    require_vllm()
+    assert main(["check", "--model", "tiny-llama", "--engine", "vllm"]) == 0
+    assert main(["demo", "--engine", "vllm", "--model", "tiny-llama", "--problems", "1",
+                 "--strategies", "kvcmas,nonshared", "--results", str(tmp_path)]) == 0
+    import json
+
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["engine"] == "vllm" and {row["strategy"] for row in report["strategies"]} == {"kvcmas", "nonshared"}
+
+
+def _quick_bench(script: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require_vllm()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--quick"],
+                          capture_output=True, text=True, check=True, timeout=600)
+    return json.loads(proc.stdout)
+
+
+def test_vllm_engine_bench_quick_reports_its_keys():
+    result = _quick_bench("vllm_engine.py")
+    assert {"overhead_ratio", "reuse_hop_speedup_quick", "agentcache_ttft_s", "plain_vllm_ttft_s"} <= result.keys()
+    assert 0.5 < result["overhead_ratio"] < 3
+    assert result["reuse_hops"]["tiny-llama@512"]["reuse_ratio"] > 0.5
+
+
+def test_vllm_eviction_bench_quick_compares_survival_with_lru():
+    result = _quick_bench("vllm_eviction.py")
+    assert {"hit_rate_lru", "hit_rate_survival", "hit_rate_survival_warmup", "ttft_ratio"} <= result.keys()
+    assert result["hit_rate_survival_warmup"] > result["hit_rate_lru"]
+    assert result["warmups"]["issued"] > 0

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from agentcache.metrics import CallResult
 from agentcache.tasks import document_problem
 from agentcache_langgraph import AgentCacheChatModel
+from agentcache.engine.choice import ENGINE_KINDS
 from samples._compare import (StrategyRuns, agent_means, answer_scores, figures, format_table, progress,
                               runtime_figures, write_report)
 from samples.document_team.graph import AGENTS, build_team
@@ -42,13 +43,14 @@ def run_batch(
     note_tokens: int = 16,
     answer_tokens: int = 32,
     progress_bar: bool = True,
+    engine: str = "embedded",
 ) -> dict[str, Any]:
     """Every document runs through the team once per strategy, the strategies rotated per document.
     The first `warmup` documents (not scored) fill the anchor pools, as a served runtime is warmed."""
     if BASELINE not in strategies:
         strategies = (*strategies, BASELINE)
     started = time.perf_counter()
-    runs = StrategyRuns(model, strategies, progress_bar)
+    runs = StrategyRuns(model, strategies, progress_bar, engine=engine)
     teams = {name: build_team(AgentCacheChatModel(runtime=rt, max_tokens=note_tokens),
                               AgentCacheChatModel(runtime=rt, max_tokens=answer_tokens))
              for name, rt in runs.runtimes.items()}
@@ -89,7 +91,7 @@ def run_batch(
         rows.append(row)
     mean_tokens = sum(r.prompt_tokens for r in calls[BASELINE]) / len(calls[BASELINE])
     return {
-        "model": model, "documents": documents, "warmup_documents": warmup, "people": people, "seed": seed,
+        "model": model, "engine": engine, "documents": documents, "warmup_documents": warmup, "people": people, "seed": seed,
         "mean_prompt_tokens": mean_tokens, "agents": list(AGENTS), "setup_s": runs.setup_s,
         "total_s": time.perf_counter() - started, "strategies": rows,
         "examples": [{"question": p.text.rsplit("\n", 1)[-1], "answer": p.answer,
@@ -128,6 +130,8 @@ def plot(report: dict[str, Any]):
 def add_arguments(parser: argparse.ArgumentParser, documents: int = 4) -> None:
     """The sample's options, for this module's command line and for `agentcache demo --sample document_team`."""
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
+                        help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
     parser.add_argument("--documents", type=_at_least(1), default=documents, help="scored documents")
     parser.add_argument("--warmup", type=_at_least(0), default=2,
                         help="documents run first, not scored, to fill the anchor pools")
@@ -152,7 +156,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
     """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
     report = run_batch(args.model, args.documents, tuple(s for s in args.strategies.split(",") if s),
                        people=args.people, warmup=args.warmup, seed=args.seed, note_tokens=args.note_tokens,
-                       answer_tokens=args.answer_tokens)
+                       answer_tokens=args.answer_tokens, engine=args.engine)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")

