@@ -205,11 +205,15 @@ def _made(length: int, cached: int, lineage: int) -> str:
 
 def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentOutcome]]) -> dict[int, PHDecision]:
     """The plan's decisions as the engine served them: a reused segment the prefix cache covered
-    whole at admission (nothing injected) was a prefix hit, not a reuse."""
+    whole at admission (nothing injected) was a prefix hit, not a reuse; one the engine computed
+    itself instead (vLLM lost a phase's blocks, or the injected KV failed to load) is exact, and a
+    fallback of its own."""
     served = dict(decisions)
     for index, decision in decisions.items():
         if decision.reused and not any(o.injected_tokens for o in outcomes[index]):
-            served[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+            computed = any(o.computed_tokens for o in outcomes[index])
+            served[index] = PHDecision("fallback", reason="engine_recomputed" if computed else "prefix_covers_source",
+                                       source=decision.source)
     return served
 
 

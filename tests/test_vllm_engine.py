@@ -290,3 +290,45 @@ def test_vllm_eviction_bench_quick_compares_survival_with_lru():
     assert {"hit_rate_lru", "hit_rate_survival", "hit_rate_survival_warmup", "ttft_ratio"} <= result.keys()
     assert result["hit_rate_survival_warmup"] > result["hit_rate_lru"]
     assert result["warmups"]["issued"] > 0
+
+
+def test_a_failed_injection_is_recomputed_by_vllm_and_counted(monkeypatch):
+    from agentcache.engine.vllm import connector
+
+    engine = vllm_engine("tiny-llama", pool_blocks=128)
+    sys_ids = engine.tokenize("System: you are the judge. ", bos=True)
+    note = engine.tokenize(" Note: " + text_of_length(engine, 20, seed=4))
+    ask = engine.tokenize(" Verdict:")
+    computed = engine.fresh().execute(ExecRequest([SegmentPlan("sys", sys_ids), SegmentPlan("note", note),
+                                                   SegmentPlan("ask", ask)], GREEDY))
+    wrong = SegmentKV(torch.randn_like(computed.segments[1].kv.keys), torch.randn_like(computed.segments[1].kv.values),
+                      computed.segments[1].kv.start)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure of the cache write")
+
+    monkeypatch.setattr(connector._PagedKV, "write", broken)
+    before = engine.cache_stats().injection_failures
+    result = engine.fresh().execute(ExecRequest([SegmentPlan("sys", sys_ids), SegmentPlan("note", note, Step.INJECT, wrong),
+                                                 SegmentPlan("ask", ask)], GREEDY, lineage="l-fail"))
+    assert result.injected_tokens == 0 and result.segments[1].computed_tokens == len(note)
+    assert result.token_ids == computed.token_ids  # the (wrong) KV never reached the output: vLLM recomputed it
+    assert engine.cache_stats().injection_failures == before + 1
+
+
+@pytest.mark.slow
+def test_injection_through_the_connector_is_exact_on_gemma():
+    engine = vllm_engine("gemma3-270m", pool_blocks=256)
+    parts = [engine.tokenize("You are the judge of the travel plans below.\n", bos=True),
+             engine.tokenize("Plan A: three days in Lisbon with trams, museums and a day at the beach in Cascais.\n"),
+             engine.tokenize("Plan B: two days in Porto, a river cruise and a visit to the library.\n"),
+             engine.tokenize("Which plan suits a family of four better, and why?")]
+    names = ["sys", "a", "b", "ask"]
+    computed = engine.fresh().execute(ExecRequest([SegmentPlan(n, t) for n, t in zip(names, parts)],
+                                                  SamplingParams(max_tokens=16, ignore_eos=True)))
+    plan = [SegmentPlan(n, t, Step.INJECT, computed.segments[i].kv) if n in ("a", "b") else SegmentPlan(n, t)
+            for i, (n, t) in enumerate(zip(names, parts))]
+    injected = engine.fresh().execute(ExecRequest(plan, SamplingParams(max_tokens=16, ignore_eos=True), lineage="g"))
+    assert [o.injected_tokens for o in injected.segments] == [0, len(parts[1]), len(parts[2]), 0]
+    assert injected.token_ids == computed.token_ids
+    assert (_logprobs(injected) - _logprobs(computed)).abs().max() < 1e-4

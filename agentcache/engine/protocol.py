@@ -182,6 +182,7 @@ class CacheStats:
     lookup_blocks: int  # full blocks the calls' lookups asked for
     hit_blocks: int  # of those, served from the cache
     evictions: int
+    injection_failures: int = 0  # injected KV that failed to load, recomputed by the engine instead
 
     @property
     def hit_rate(self) -> float:

@@ -19,6 +19,7 @@ engine's attention layers (in-process, the scheduler and the worker share the en
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks
 
 __all__ = ["AgentCacheConnector"]
 
+log = logging.getLogger(__name__)
 _LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # learned once per cache shape and kernel
 
 
@@ -146,6 +148,7 @@ class AgentCacheConnector(KVConnectorBase_V1):
         self._own_kv: _PagedKV | None = None
         self._step_kv: tuple[int, _PagedKV] | None = None
         self._pending: list[tuple[str, Any, list[int], int]] = []
+        self._failed: set[int] = set()  # blocks whose injection failed in this forward pass
 
     # --- worker side (shared by every engine in the process) ------------------------------------
 
@@ -157,22 +160,36 @@ class AgentCacheConnector(KVConnectorBase_V1):
         if self._step_kv is None or self._step_kv[0] != id(layers):
             self._step_kv = (id(layers), _PagedKV(layers))
         paged = self._step_kv[1]
-        bs = paged.block_size
         for load in metadata.loads:
             hooks = REGISTRY.get(load.key)
             if hooks is None:
                 continue
-            positions = torch.arange(load.start, load.start + load.count)
-            blocks = torch.tensor(load.block_ids, dtype=torch.int64)
-            slots = blocks[positions // bs] * bs + positions % bs  # (T,)
-            for start, keys, values in hooks.inject:  # (L, H, T, D) each
-                lo, hi = max(start, load.start), min(start + keys.shape[2], load.start + load.count)
-                if lo >= hi:
-                    continue
-                part = slots[lo - load.start : hi - load.start]
-                for layer in range(len(paged.caches)):
-                    paged.write(layer, keys[layer, :, lo - start : hi - start].transpose(0, 1),
-                                values[layer, :, lo - start : hi - start].transpose(0, 1), part)
+            try:
+                self._load(paged, load, hooks)
+            except Exception:  # noqa: BLE001 - vLLM recomputes these blocks (kv_load_failure_policy)
+                log.exception("injecting KV into request %s failed; vLLM recomputes it", load.key)
+                bs = paged.block_size
+                first, last = load.start // bs, (load.start + load.count - 1) // bs
+                self._failed.update(load.block_ids[first : last + 1])
+                hooks.load_failed = True
+
+    def _load(self, paged: _PagedKV, load: _Load, hooks: RequestHooks) -> None:
+        bs = paged.block_size
+        positions = torch.arange(load.start, load.start + load.count)
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64)
+        slots = blocks[positions // bs] * bs + positions % bs  # (T,)
+        for start, keys, values in hooks.inject:  # (L, H, T, D) each
+            lo, hi = max(start, load.start), min(start + keys.shape[2], load.start + load.count)
+            if lo >= hi:
+                continue
+            part = slots[lo - load.start : hi - load.start]
+            for layer in range(len(paged.caches)):
+                paged.write(layer, keys[layer, :, lo - start : hi - start].transpose(0, 1),
+                            values[layer, :, lo - start : hi - start].transpose(0, 1), part)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -174,7 +174,7 @@ class VLLMCore:
             generation_config="vllm", logits_processors=[LastPromptLogits], seed=0,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="AgentCacheConnector", kv_connector_module_path="agentcache.engine.vllm.connector",
-                kv_role="kv_both",
+                kv_role="kv_both", kv_load_failure_policy="recompute",
             ),
             scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
         )
@@ -186,6 +186,7 @@ class VLLMCore:
         self._sampling_params = vllm.SamplingParams
         self._delta = RequestOutputKind.DELTA
         self._live: dict[str, _Live] = {}  # by the running phase's key
+        self.injection_failures = 0  # phases whose injected KV failed to load (vLLM recomputed it)
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
 
     @property
@@ -322,11 +323,17 @@ class VLLMCore:
         if ended or output.finished:
             self._finish(live)
 
+    def _claimed(self, live: _Live, hooks: RequestHooks) -> None:
+        """Record what the connector supplied in the phase that ended (a failed load: recomputed)."""
+        if hooks.load_failed:
+            self.injection_failures += 1
+        elif hooks.injected:
+            live.claims.append((hooks.injected_from, hooks.injected))
+
     def _next_phase(self, live: _Live) -> None:
         hooks = REGISTRY.pop(live.key, None) or live.hooks
         del self._live[live.key]
-        if hooks.injected:
-            live.claims.append((hooks.injected_from, hooks.injected))
+        self._claimed(live, hooks)
         live.tails.extend((begin, kv[0], kv[1]) for (begin, _), kv in hooks.captured.items())
         live.previous_end = live.phase_ends.pop(0)
         live.phase += 1
@@ -353,8 +360,7 @@ class VLLMCore:
     def _finish(self, live: _Live) -> None:
         self._live.pop(live.key, None)
         hooks = REGISTRY.pop(live.key, None) or live.hooks
-        if hooks.injected:
-            live.claims.append((hooks.injected_from, hooks.injected))
+        self._claimed(live, hooks)
         try:
             result = self._result(live, hooks)
         except Exception as exc:  # noqa: BLE001

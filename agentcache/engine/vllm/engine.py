@@ -25,7 +25,7 @@ from __future__ import annotations
 import uuid
 from itertools import accumulate
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -134,7 +134,8 @@ class VLLMEngine(ModelFrontend):
     def cache_stats(self) -> CacheStats:
         """The vLLM engine's prefix cache (shared by every view of it)."""
         core = self._core
-        return core.between_steps(lambda: core.scheduler.cache_stats()).result()
+        stats = core.between_steps(lambda: core.scheduler.cache_stats()).result()
+        return replace(stats, injection_failures=core.injection_failures)
 
     def submit(self, request: ExecRequest) -> Future:
         """Queue a request for vLLM; returns a future of its ExecResult. A malformed request raises here."""

@@ -45,6 +45,7 @@ class RequestHooks:
     last_logits: torch.Tensor | None = None  # (V,) float32 at the last prompt position
     injected: int = 0  # tokens the connector claimed
     injected_from: int | None = None  # the first of them
+    load_failed: bool = False  # writing them failed: vLLM recomputed those blocks
     captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     finished_tokens: int = 0  # tokens whose KV was in the cache when the request finished
 
