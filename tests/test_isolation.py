@@ -25,8 +25,8 @@ ROLE = {"p": "You plan the trip step by step.\n", "x": "You check every plan you
 ROLE["b/x"] = ROLE["x"]  # the same prompt under a name that collided with ("a/b", "x") before
 
 
-def runtime(strategy: str = "kvcmas", **config) -> Runtime:
-    return Runtime(make_engine("tiny-llama", pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=1.0),
+def runtime(strategy: str = "kvcmas", preset: str = "tiny-llama", **config) -> Runtime:
+    return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=1.0),
                    config=RuntimeConfig(self_check=False, keep_kv=True, **config))
 
 
@@ -127,7 +127,7 @@ def test_a_reference_prefill_caches_in_its_tenant_namespace():
 
 
 def test_output_segment_is_scoped_by_session_and_sessions_are_bounded():
-    rt = runtime(max_sessions=2)
+    rt = runtime(max_sessions=2, preset="tiny-qwen2")  # tiny-llama's random weights write no text here
     query = text_of_length(rt.engine, 20, seed=3)
     outputs = {s: rt.run(call("p", query, session=s), SamplingParams(max_tokens=3)).text for s in ("A", "B")}
     assert rt.output_segment("p", session="A").text == outputs["A"]

@@ -45,11 +45,13 @@ def test_layer0_keys_realign_exactly_gemma(gemma_engine):
 
 
 def test_tiny_gemma3_has_distinct_local_and_global_frequencies():
-    aligner = RopeAligner.from_model(load_model("tiny-gemma3").model)
+    model = load_model("tiny-gemma3").model
+    aligner = RopeAligner.from_model(model)
     # layer types: sliding, sliding, full, sliding; the global layer uses base 1e6 with linear scaling 8
     assert torch.equal(aligner.inv_freq[0], aligner.inv_freq[1])
     assert not torch.allclose(aligner.inv_freq[0], aligner.inv_freq[2])
-    expected_global = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)) / 8.0
+    dim = model.config.head_dim
+    expected_global = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)) / 8.0
     assert torch.allclose(aligner.inv_freq[2], expected_global, rtol=1e-6)
 
 
