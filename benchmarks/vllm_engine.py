@@ -9,8 +9,8 @@
 2. `reuse_hop_speedup_2k` / `_8k`: ttft.py's reuse-hop workflow (four agents read one shared
    context of L tokens in turn, new content every round, two untimed rounds that fill the anchor
    pools) through vLLM on Gemma 3 270M: mean TTFT of the three reuse hops under NonShared over
-   KVCMAS, whose corrected KV enters vLLM through the KV connector. `--quick` runs tiny-llama at
-   512 shared tokens instead (key `reuse_hop_speedup_quick`).
+   KVCMAS, whose corrected KV enters vLLM through the KV connector. `--quick` runs tiny-llama
+   (random weights, the gate opened) at 2K only, one timed round.
 
 Each configuration runs on a vLLM engine of its own. One JSON object on stdout.
 
@@ -145,26 +145,25 @@ def reuse_hop(model: str, length: int, rounds: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny-llama, short prompts (< 60 s once vLLM is up)")
+    parser.add_argument("--quick", action="store_true", help="tiny-llama, one timed round (< 60 s once vLLM is up)")
     parser.add_argument("--model", default=None, help="the model of the reuse hops (default Gemma 3 270M)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per shared length")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     result: dict = {"benchmark": "vllm_engine", "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    model = args.model or ("tiny-llama" if args.quick else "gemma3-270m")
+    result["model"] = model
     if args.quick:
-        result.update(overhead("tiny-llama", calls=8, system_words=60, query_words=90))
-        hop = reuse_hop("tiny-llama", 512, rounds=args.rounds or 1, warmup=2)
-        result["reuse_hop_speedup_quick"] = hop["speedup"]
-        result["reuse_hops"] = {"tiny-llama@512": hop}
+        result.update(overhead(model, calls=8, system_words=60, query_words=90))
     else:
-        model = args.model or "gemma3-270m"
         result.update(overhead(model, calls=12, system_words=120, query_words=180))
-        result["reuse_hops"] = {}
-        for length, rounds in ((2048, args.rounds or 2), (8192, args.rounds or 1)):
-            hop = reuse_hop(model, length, rounds=rounds, warmup=2)
-            result[f"reuse_hop_speedup_{length // 1024}k"] = hop["speedup"]
-            result["reuse_hops"][f"{model}@{length}"] = hop
+    result["reuse_hops"] = {}
+    lengths = ((2048, args.rounds or 1),) if args.quick else ((2048, args.rounds or 2), (8192, args.rounds or 1))
+    for length, rounds in lengths:
+        hop = reuse_hop(model, length, rounds=rounds, warmup=2)
+        result[f"reuse_hop_speedup_{length // 1024}k"] = hop["speedup"]
+        result["reuse_hops"][f"{model}@{length}"] = hop
     result["wall_s"] = round(time.perf_counter() - started, 1)
     emit(result, args.out)
     return result

@@ -1,5 +1,5 @@
 """Travel planner: an AutoGen SelectorGroupChat (planner, local guide, language and summary agents)
-on the embedded default model, run under KVCMAS and under NonShared, and compared hop by hop.
+on the default model (embedded engine, or `--engine vllm`), run under KVCMAS and under NonShared, and compared hop by hop.
 
 The selector is the model itself (an agent of its own, `selector`) where there is a choice: who
 opens. A candidate function then keeps each agent to one turn and the summary agent last, so a
@@ -18,6 +18,7 @@ from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.conditions import MaxMessageTermination
 from autogen_agentchat.teams import SelectorGroupChat
 
+from agentcache.engine.choice import ENGINE_KINDS
 from agentcache.metrics import CallResult
 from agentcache_autogen import AgentCacheChatCompletionClient
 from samples._compare import StrategyRuns, figures, format_table, write_report
@@ -88,6 +89,7 @@ def run_trips(
     strategies: Sequence[str] = ("kvcmas", "nonshared"),
     agent_tokens: int = 64,
     progress: bool = True,
+    engine: str = "embedded",
 ) -> dict[str, Any]:
     """Each trip runs once per strategy (rotated); the last trip's hops are compared one by one."""
     from tqdm import tqdm
@@ -96,7 +98,7 @@ def run_trips(
         strategies = (*strategies, BASELINE)
     baseline = BASELINE
     started = time.perf_counter()
-    runs = StrategyRuns(model, strategies, progress)
+    runs = StrategyRuns(model, strategies, progress, engine=engine)
     calls: dict[str, list[list[CallResult]]] = {s: [] for s in strategies}
     transcripts: dict[str, list[tuple[str, str]]] = {}
     bar = tqdm(total=trips * len(strategies), desc="travel planner", unit="run", disable=not progress)
@@ -128,7 +130,7 @@ def run_trips(
         paired = flat[baseline] if name != baseline and _same_agents(flat[name], flat[baseline]) else None
         rows.append({"strategy": name, **figures(flat[name], paired), "refusal": runs.runtimes[name].refusal})
     return {
-        "model": model, "trips": trips, "agent_tokens": agent_tokens, "total_s": time.perf_counter() - started,
+        "model": model, "engine": engine, "trips": trips, "agent_tokens": agent_tokens, "total_s": time.perf_counter() - started,
         "same_hops": _same_agents(last[main_strategy], last[baseline]), "hops": hops, "strategies": rows,
         "transcript": transcripts[main_strategy], "baseline_transcript": transcripts[baseline],
     }
@@ -164,11 +166,13 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m samples.travel_planner", description=__doc__)
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
+                        help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
     parser.add_argument("--trips", type=int, default=3, choices=range(1, len(TRIPS) + 1))
     parser.add_argument("--agent-tokens", type=int, default=64)
     parser.add_argument("--results", default="results")
     args = parser.parse_args(argv)
-    report = run_trips(args.model, args.trips, agent_tokens=args.agent_tokens)
+    report = run_trips(args.model, args.trips, agent_tokens=args.agent_tokens, engine=args.engine)
     print_report(report)
     for path in write_report(report, Path(args.results), "travel_planner"):
         print(f"wrote {path}")
