@@ -182,3 +182,21 @@ def test_a_crashing_step_fails_its_requests_and_the_engine_recovers(monkeypatch)
         engine.execute(request)
     assert len(engine.execute(request).token_ids) == 4
     assert engine.pool.num_evictable == engine.pool.num_used
+
+
+def test_exiting_with_a_request_in_flight_does_not_abort_the_process():
+    """At interpreter exit the engine loop stops after its step: a daemon thread caught inside a
+    torch op by the shutdown used to abort the process ("terminate called without an active
+    exception", exit status 134)."""
+    import subprocess
+    import sys
+
+    code = ("import time\n"
+            "from agentcache.engine import EmbeddedEngine, ExecRequest, SamplingParams, SegmentPlan\n"
+            "engine = EmbeddedEngine('mid-llama')\n"
+            "future = engine.submit(ExecRequest([SegmentPlan('a', [1] + list(range(3, 300)) * 3)],\n"
+            "                                   SamplingParams(max_tokens=400, ignore_eos=True)))\n"
+            "time.sleep(1.0)\n"
+            "assert not future.done()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
