@@ -332,3 +332,12 @@ def test_injection_through_the_connector_is_exact_on_gemma():
     assert [o.injected_tokens for o in injected.segments] == [0, len(parts[1]), len(parts[2]), 0]
     assert injected.token_ids == computed.token_ids
     assert (_logprobs(injected) - _logprobs(computed)).abs().max() < 1e-4
+
+
+def test_readme_vllm_snippet_runs(tmp_path):
+    from tests.test_cli_and_bench import _readme_snippet, _run_snippet
+
+    require_vllm()
+    namespace = _run_snippet(_readme_snippet("VLLMEngine(\"gemma3-270m\""), tmp_path)
+    runtime = namespace["runtime"]
+    assert type(runtime.engine).__name__ == "VLLMEngine" and runtime.engine.eviction_policy.name == "survival"
