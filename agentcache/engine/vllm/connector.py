@@ -230,7 +230,6 @@ class AgentCacheConnector(KVConnectorBase_V1):
         if hooks is None or not block_ids:
             return False, None
         computed = request.num_computed_tokens
-        hooks.finished_tokens = computed
         if self._own_kv is None:
             self._own_kv = _PagedKV(self._own_layers)
         spans = [(b, e) for b, e in hooks.capture if e <= computed]

@@ -47,7 +47,6 @@ class RequestHooks:
     injected_from: int | None = None  # the first of them
     load_failed: bool = False  # writing them failed: vLLM recomputed those blocks
     captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    finished_tokens: int = 0  # tokens whose KV was in the cache when the request finished
 
 
 REGISTRY: dict[str, RequestHooks] = {}
