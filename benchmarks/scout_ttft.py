@@ -106,8 +106,9 @@ def run_selector(make_engine, args, block_size: int, quick_sessions: int = 10) -
     }
 
 
-def selector_arguments(parser: argparse.ArgumentParser, model: str) -> None:
-    parser.add_argument("--quick", action="store_true", help="10 sessions with halved lengths (< 60 s on 2 cores)")
+def selector_arguments(parser: argparse.ArgumentParser, model: str, quick_sessions: int = 10) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{quick_sessions} sessions with halved lengths (< 60 s on 2 cores)")
     parser.add_argument("--model", default=model)
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,7 @@ QUICK_SESSIONS = 4  # vLLM's CPU step costs more than the embedded engine's on t
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    selector_arguments(parser, "mid-llama")
+    selector_arguments(parser, "mid-llama", QUICK_SESSIONS)
     args = parser.parse_args(argv)
     started = time.perf_counter()
 

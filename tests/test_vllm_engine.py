@@ -162,6 +162,34 @@ def test_approximate_blocks_stay_in_their_lineage_and_exact_prefixes_are_shared(
     assert session2.token_ids == tenant2.token_ids == clean.token_ids
 
 
+def test_an_agent_prefix_partial_block_is_kept_so_its_next_call_needs_no_phase():
+    engine = vllm_engine("tiny-llama", pool_blocks=128)
+    core = engine._core
+    sys_ids = engine.tokenize("System: you are the judge. " + text_of_length(engine, 9, seed=3), bos=True)
+    assert len(sys_ids) % engine.block_size, "the system prompt must end inside a block"
+
+    def judge(seed, salt):
+        dense = [SegmentPlan("sys", sys_ids, Step.PREFIX),
+                 SegmentPlan("note", engine.tokenize(f"{seed}: " + text_of_length(engine, 20, seed=seed))),
+                 SegmentPlan("ask", engine.tokenize(" Verdict:"))]
+        reference = engine.fresh().execute(ExecRequest(dense, GREEDY))
+        plan = [dense[0], SegmentPlan("note", dense[1].token_ids, Step.INJECT, reference.segments[1].kv), dense[2]]
+        phases, kept = core.phases_run, core.tails.hits
+        result = engine.execute(ExecRequest(plan, GREEDY, cache_salt=salt))
+        assert result.token_ids == reference.token_ids
+        assert (_logprobs(result) - _logprobs(reference)).abs().max() < 1e-4
+        assert result.segments[1].injected_tokens == len(dense[1].token_ids)
+        return result, core.phases_run - phases, core.tails.hits - kept
+
+    _, phases, kept = judge(1, "tenant")
+    assert (phases, kept) == (1, 0)  # the system prompt's partial block is computed in a phase of its own
+    second, phases, kept = judge(2, "tenant")
+    assert (phases, kept) == (0, 1)  # and claimed with the injected note next time
+    assert second.segments[0].cached_tokens == len(sys_ids) and second.segments[0].computed_tokens == 0
+    _, phases, kept = judge(3, "other")  # another tenant is never served it
+    assert (phases, kept) == (1, 0)
+
+
 def test_exact_agent_prefix_hits_across_sessions_through_the_runtime():
     from agentcache import AgentCall, Runtime, RuntimeConfig, Segment
 
@@ -290,6 +318,13 @@ def test_vllm_eviction_bench_quick_compares_survival_with_lru():
     assert {"hit_rate_lru", "hit_rate_survival", "hit_rate_survival_warmup", "ttft_ratio"} <= result.keys()
     assert result["hit_rate_survival_warmup"] > result["hit_rate_lru"]
     assert result["warmups"]["issued"] > 0
+
+
+def test_vllm_glue_bench_quick_compares_phases_with_injected_glue():
+    result = _quick_bench("vllm_glue.py")  # it fails itself if any variant's tokens differ from dense
+    assert {"phases_ttft_s", "contiguous_ttft_s", "glue_compute_s", "glue_injection_ratio"} <= result.keys()
+    assert result["phases"] == [result["shared_segments"] - 1]  # one per glue gap: the system tail is kept
+    assert result["phases_ttft_s"] > 0 and result["glue_compute_s"] > 0
 
 
 def test_a_failed_injection_is_recomputed_by_vllm_and_counted(monkeypatch):

@@ -31,6 +31,7 @@ from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, 
 from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
+from agentcache.engine.vllm.tails import ExactTails
 from agentcache.errors import InputError
 from agentcache.models import LoadedModel, load_model, model_directory
 from agentcache.scout.policies import SurvivalPolicy
@@ -38,6 +39,7 @@ from agentcache.scout.policies import SurvivalPolicy
 __all__ = ["VLLMCore", "Call"]
 
 _WARMUP_PRIORITY = 1 << 30  # vLLM runs smaller priorities first: warm-ups after every real call
+_TAIL_BYTES = 64 << 20  # exact partial blocks kept between calls (tails.py): ~60 agents' on Gemma 3 270M
 
 Run = tuple[int, torch.Tensor, torch.Tensor]  # (start, K, V): KV of positions start.. , (L, H, T, D) each
 
@@ -75,6 +77,7 @@ class _Live:
     tails: list[Run] = field(default_factory=list)  # KV read back from earlier phases
     claims: list[tuple[int, int]] = field(default_factory=list)  # (first, count) the connector supplied
     hit: int | None = None  # the first phase's prefix hit: what the cache already held
+    kept_tail: int = 0  # tokens right after the hit served from the exact tails (tails.py)
     lineage_from: int | None = None  # where that hit's lineage (approximate) part begins
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -187,6 +190,8 @@ class VLLMCore:
         self._delta = RequestOutputKind.DELTA
         self._live: dict[str, _Live] = {}  # by the running phase's key
         self.injection_failures = 0  # phases whose injected KV failed to load (vLLM recomputed it)
+        self.tails = ExactTails(_TAIL_BYTES)
+        self.phases_run = 0  # prefill-only requests run before calls
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
 
     @property
@@ -252,8 +257,14 @@ class VLLMCore:
         lineage_key = None
         if approx_from is not None:
             lineage_key = request.lineage or f"private/{uuid.uuid4().hex}"  # no lineage: nobody reuses it
-        live = _Live(job, prompt, lineage_key, approx_from, phase_ends(call.inject, hit),
+        ends = phase_ends(call.inject, hit)
+        live = _Live(job, prompt, lineage_key, approx_from, ends,
                      lineage_from=lineage_from, lookup_limit=limit, added=time.perf_counter())
+        if self.prefix_caching and ends and ends[0] - hit < self.block_size and (approx_from is None or ends[0] <= approx_from):
+            kept = self.tails.get(call.salt, prompt, hit, ends[0])  # no phase for a partial block seen before
+            if kept is not None:
+                live.tails.append((hit, kept[0], kept[1]))
+                live.kept_tail = ends.pop(0) - hit
         self._launch(live)
 
     def _launch(self, live: _Live) -> None:
@@ -335,7 +346,13 @@ class VLLMCore:
         del self._live[live.key]
         self._claimed(live, hooks)
         live.tails.extend((begin, kv[0], kv[1]) for (begin, _), kv in hooks.captured.items())
+        end = live.phase_ends[0]
+        exact = not hooks.load_failed and (live.approx_from is None or end <= live.approx_from)
+        if live.phase == 0 and exact:  # the agent's prefix, over exact context: its next call skips this phase
+            for (begin, stop), kv in hooks.captured.items():
+                self.tails.put(live.call.salt, live.prompt, begin, stop, kv[0], kv[1])
         live.previous_end = live.phase_ends.pop(0)
+        self.phases_run += 1
         live.phase += 1
         try:
             self._launch(live)
@@ -388,7 +405,7 @@ class VLLMCore:
         if hooks.last_logits is None:
             raise RuntimeError("vLLM produced no logits row for the call's last prompt position")
         text = live.text if live.text is not None else self.frontend.detokenize(live.generated)
-        hit = live.hit or 0
+        hit = (live.hit or 0) + live.kept_tail  # the kept tail is exact KV of the prefix, like the hit
         injected = _injected_positions(live.claims, merged_runs(call.inject))
         approximate = [p for p in injected if any(start <= p < end for start, end in call.approx)]
         if live.lineage_from is not None and live.lineage_from < hit:
