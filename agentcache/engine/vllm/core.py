@@ -405,7 +405,9 @@ class VLLMCore:
         if hooks.last_logits is None:
             raise RuntimeError("vLLM produced no logits row for the call's last prompt position")
         text = live.text if live.text is not None else self.frontend.detokenize(live.generated)
-        hit = (live.hit or 0) + live.kept_tail  # the kept tail is exact KV of the prefix, like the hit
+        hit = live.hit or 0
+        if live.kept_tail and any(first == hit for first, _ in live.claims):
+            hit += live.kept_tail  # claimed right after the hit: exact KV of the prefix, like the hit
         injected = _injected_positions(live.claims, merged_runs(call.inject))
         approximate = [p for p in injected if any(start <= p < end for start, end in call.approx)]
         if live.lineage_from is not None and live.lineage_from < hit:
