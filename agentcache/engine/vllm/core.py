@@ -213,6 +213,9 @@ class VLLMCore:
             return 0, None
         return cached_tokens(self.scheduler, token_ids, salt, lineage)
 
+    def _tail_key(self, salt: str, prompt: Sequence[int], end: int) -> tuple[str, bytes]:
+        return salt, prefix_digests(prompt, [end], self.frontend.model_key)[end]
+
     # --- the loop --------------------------------------------------------------------------
 
     def _step(self, jobs: list[Job]) -> bool:
@@ -261,7 +264,7 @@ class VLLMCore:
         live = _Live(job, prompt, lineage_key, approx_from, ends,
                      lineage_from=lineage_from, lookup_limit=limit, added=time.perf_counter())
         if self.prefix_caching and ends and ends[0] - hit < self.block_size and (approx_from is None or ends[0] <= approx_from):
-            kept = self.tails.get(call.salt, prompt, hit, ends[0])  # no phase for a partial block seen before
+            kept = self.tails.get(self._tail_key(call.salt, prompt, ends[0]), ends[0] - hit)  # no phase for a partial block seen before
             if kept is not None:
                 live.tails.append((hit, kept[0], kept[1]))
                 live.kept_tail = ends.pop(0) - hit
@@ -349,8 +352,8 @@ class VLLMCore:
         end = live.phase_ends[0]
         exact = not hooks.load_failed and (live.approx_from is None or end <= live.approx_from)
         if live.phase == 0 and exact:  # the agent's prefix, over exact context: its next call skips this phase
-            for (begin, stop), kv in hooks.captured.items():
-                self.tails.put(live.call.salt, live.prompt, begin, stop, kv[0], kv[1])
+            for (_, stop), kv in hooks.captured.items():
+                self.tails.put(self._tail_key(live.call.salt, live.prompt, stop), kv[0], kv[1])
         live.previous_end = live.phase_ends.pop(0)
         self.phases_run += 1
         live.phase += 1

@@ -14,49 +14,44 @@ the same rule as vLLM's own exact blocks. The store is bounded in bytes, least r
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import torch
 
 __all__ = ["ExactTails"]
 
 
+def _nbytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
 class ExactTails:
+    """Keyed by (cache salt, `prefix_digests` digest of the prompt up to the tail's end)."""
+
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.bytes = 0
         self.hits = 0
-        self._tails: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._tails: OrderedDict[tuple[str, bytes], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
-    @staticmethod
-    def _key(salt: str, tokens: Sequence[int]) -> bytes:
-        digest = hashlib.blake2b(salt.encode() + b"\0", digest_size=16)
-        digest.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
-        return digest.digest()
-
-    def put(self, salt: str, prompt: Sequence[int], begin: int, end: int,
-            keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep the KV of positions [begin, end) of `prompt`, (L, H, end - begin, D) each."""
-        size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        if size > self.capacity_bytes or keys.shape[2] != end - begin:
+    def put(self, key: tuple[str, bytes], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep a tail's KV, (L, H, T, D) each."""
+        size = _nbytes(keys, values)
+        if size > self.capacity_bytes:
             return
-        key = self._key(salt, prompt[:end])
         if key in self._tails:
             self._tails.move_to_end(key)
             return
         self._tails[key] = (keys, values)
         self.bytes += size
         while self.bytes > self.capacity_bytes:
-            _, (old_k, old_v) = self._tails.popitem(last=False)
-            self.bytes -= old_k.numel() * old_k.element_size() + old_v.numel() * old_v.element_size()
+            _, old = self._tails.popitem(last=False)
+            self.bytes -= _nbytes(*old)
 
-    def get(self, salt: str, prompt: Sequence[int], begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The kept KV of [begin, end) of `prompt`, if its exact tokens before `end` were seen."""
-        key = self._key(salt, prompt[:end])
+    def get(self, key: tuple[str, bytes], length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept KV under `key`, if it covers `length` tokens."""
         found = self._tails.get(key)
-        if found is None or found[0].shape[2] != end - begin:
+        if found is None or found[0].shape[2] != length:
             return None
         self._tails.move_to_end(key)
         self.hits += 1
