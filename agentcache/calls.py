@@ -10,15 +10,25 @@ calls them under its lock, and the self-check drives them directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
 
 import torch
 
 from agentcache.correction.corrector import Corrector, PHDecision
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentOutcome, SegmentPlan, Step
+from agentcache.engine.protocol import (
+    Engine,
+    ExecRequest,
+    ExecResult,
+    LayerRecompute,
+    SamplingParams,
+    SegmentOutcome,
+    SegmentPlan,
+    Step,
+    TokenRecompute,
+)
 from agentcache.errors import PlanError, SegmentError
 from agentcache.isolation import Scope
 from agentcache.metrics import SegmentReport
@@ -52,7 +62,7 @@ class CallPlan:
     def injects(self) -> bool:
         return any(p.plan.step is Step.INJECT for p in self.pieces)
 
-    def densely(self) -> "CallPlan":
+    def densely(self) -> CallPlan:
         """The same call with nothing reused: every segment prefilled (the engine refused the reused KV)."""
         decisions = {i: PHDecision("fallback", reason="engine_rejected") if d.reused else d
                      for i, d in self.decisions.items()}
@@ -127,7 +137,8 @@ def plan_call(
             if decision.reused and decision.covered > covered - pos:
                 cover = decision.covered
                 kv = decision.inject.slice(0, cover)  # canonical start 0; the engine re-aligns it
-                pieces.append(Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, kv)))
+                pieces.append(Piece(index, SegmentPlan(seg.slot, tokens[:cover], Step.INJECT, kv,
+                                                       recompute=_covering(decision.recompute, cover))))
                 if cover < len(tokens):
                     pieces.append(Piece(index, SegmentPlan(seg.slot, tokens[cover:], Step.PREFIX)))
                 pos = end
@@ -137,7 +148,7 @@ def plan_call(
         pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all or seg.kind == "ph")))
         pos = end
     request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
-                          session=session, on_token=on_token)
+                          session=session, on_token=on_token, hidden_layer=corrector.hidden_layer(scope))
     return CallPlan(call, scope, tuple(segments), tuple(map(tuple, token_lists)), tuple(prompt), tuple(pieces),
                     MappingProxyType(decisions), request)
 
@@ -149,6 +160,7 @@ def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult) -> Set
     for piece, outcome in zip(plan.pieces, result.segments):
         outcomes[piece.index].append(outcome)
     kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
+    hiddens = [_joined_hidden([o.hidden for o in parts]) for parts in outcomes]
     decisions = _as_served(plan.decisions, outcomes)
     reports = _reports(plan.segments, plan.token_lists, outcomes, decisions)
     agent = plan.call.agent
@@ -161,11 +173,11 @@ def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult) -> Set
         kv = kvs[index]  # anchors learn only from KV known exact for this prompt (its digest says so)
         try:
             corrector.commit(plan.scope, agent, seg.slot, tokens, decision, kv, how,
-                             own_tokens_exact=kv is not None and kv.exact)
+                             own_tokens_exact=kv is not None and kv.exact, hidden=hiddens[index])
         except Exception as exc:  # noqa: BLE001
             corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
     try:
-        corrector.record_output(plan.scope, agent, result.token_ids[:-1], result.generated_kv)
+        corrector.record_output(plan.scope, agent, result.token_ids[:-1], result.generated_kv, result.generated_hidden)
     except Exception as exc:  # noqa: BLE001
         corrector.fault("commit_error", f"recording agent {agent!r}'s output", exc)
     return Settled(reports, kvs)
@@ -194,6 +206,8 @@ def _reports(
             entropy=decision.entropy if decision else None,
             source=decision.source.agent if decision and decision.source else None,
             plan_s=decision.plan_s if decision else 0.0, lineage_tokens=lineage,
+            recomputed_tokens=sum(o.recomputed_tokens for o in parts),
+            prefill_tokens=sum(o.prefill_tokens for o in parts),
         ))
     return reports
 
@@ -215,6 +229,20 @@ def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentO
             served[index] = PHDecision("fallback", reason="engine_recomputed" if computed else "prefix_covers_source",
                                        source=decision.source)
     return served
+
+
+def _covering(recompute: TokenRecompute | LayerRecompute | None, cover: int) -> TokenRecompute | LayerRecompute | None:
+    """The recompute step of a segment's first `cover` tokens (a layer step's hidden states cut to them)."""
+    if isinstance(recompute, LayerRecompute):
+        return replace(recompute, hidden=recompute.hidden[:cover])
+    return recompute
+
+
+def _joined_hidden(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """One segment's hidden states from its engine segments' (None unless every part has them)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))  # (T, hidden size)
 
 
 def _joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:

@@ -31,7 +31,8 @@ class SegmentReport:
     kind: str  # "pf" or "ph"
     start: int
     length: int
-    decision: str  # "prefix_hit", "own_lineage_hit", "dense", "first", "corrected", "reused", "fallback", "off"
+    # "prefix_hit", "own_lineage_hit", "dense", "first", "corrected", "reused", "recomputed", "fallback", "off"
+    decision: str
     reason: str | None  # why a PH segment fell back to dense
     cached_tokens: int
     computed_tokens: int
@@ -40,6 +41,8 @@ class SegmentReport:
     source: str | None = None  # the agent whose cache was the source (corrected/reused/fallback)
     plan_s: float = 0.0  # looking up, gating and correcting it (inside TTFT)
     lineage_tokens: int = 0  # of cached_tokens, served by the caller's own approximate lineage blocks
+    recomputed_tokens: float = 0.0  # of injected_tokens, tokens' worth rebuilt by selective recomputation
+    prefill_tokens: float = 0.0  # prefill work in full-forward tokens: computed, recomputed, probed
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class CallResult:
     cached_tokens: int  # prefix hits: exact blocks and the caller's own lineage (see lineage_tokens)
     ph_tokens: int  # tokens of shared segments
     eligible_tokens: int  # PH tokens with a source cache and no prefix hit: could be reused
-    reused_tokens: int  # PH tokens injected (corrected or raw)
+    reused_tokens: float  # PH tokens injected (corrected or raw), less what selective recomputation rebuilt
     segments: list[SegmentReport]
     # Kept only with RuntimeConfig(keep_kv=True): the engine's result and each segment's KV.
     engine_result: ExecResult | None = field(default=None, repr=False, compare=False)
@@ -69,6 +72,11 @@ class CallResult:
     @property
     def exact_cached_tokens(self) -> int:
         return self.cached_tokens - self.lineage_tokens
+
+    @property
+    def prefill_tokens(self) -> float:
+        """The prompt's prefill work in full-forward tokens (what each strategy actually computed)."""
+        return sum(s.prefill_tokens for s in self.segments)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_EXPORTED} | {
@@ -112,6 +120,7 @@ class Figures:
             sums["ph"] += result.ph_tokens
             sums["eligible"] += result.eligible_tokens
             sums["reused"] += result.reused_tokens
+            sums["prefill"] += result.prefill_tokens
             sums["ttft"] += result.ttft_s
             sums["queued"] += result.queued_s
             for seg in result.segments:
@@ -142,6 +151,7 @@ class Figures:
                 "eligible_tokens": eligible,
                 "reused_tokens": sums["reused"],
                 "reuse_ratio": sums["reused"] / eligible if eligible else 0.0,
+                "prefill_tokens": sums["prefill"],  # prefill work in full-forward tokens
                 "ttft_mean_s": sums["ttft"] / n if n else None,
                 "ttft_p50_s": percentile(ttfts, 50),
                 "ttft_p90_s": percentile(ttfts, 90),

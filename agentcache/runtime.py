@@ -158,6 +158,10 @@ class Runtime:
         """Refuse cross-context reuse on a model that fails the self-check: run NonShared instead."""
         if not strategy.reuse:
             return strategy
+        if strategy.recompute is not None and not self.engine.supports_recompute:
+            raise InputError(f"strategy {strategy.name!r} recomputes part of the reused cache, which "
+                             f"{type(self.engine).__name__} cannot do (its KV connector fills whole contiguous "
+                             "ranges); run it on the EmbeddedEngine")
         if not self.engine.supports_realignment:
             log.warning("%s cannot re-align RoPE exactly; running NonShared instead of %s",
                         self.engine.model_name, strategy.name)
@@ -419,7 +423,7 @@ class Runtime:
             session=call.session, tenant=call.tenant,
             ph_tokens=sum(r.length for r in reports if r.kind == "ph"),
             eligible_tokens=sum(r.length - r.cached_tokens for r in reports if r.kind == "ph" and r.source is not None),
-            reused_tokens=sum(r.injected_tokens for r in reports if r.kind == "ph"),
+            reused_tokens=sum(r.injected_tokens - r.recomputed_tokens for r in reports if r.kind == "ph"),
             segments=reports, prompt_ids=list(plan.prompt),
             engine_result=result if self.config.keep_kv else None, segment_kv=kvs if self.config.keep_kv else [],
         )

@@ -162,6 +162,12 @@ def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
         assert decisions == {"off": 9}
     elif name == "fullshared":
         assert decisions == {"first": 3, "reused": 6} and figures["reuse_ratio"] == 1.0
+    elif name == "cacheblend":  # rebuilds 1 − ρ of every reused segment's tokens
+        assert decisions == {"first": 3, "recomputed": 6}
+        assert figures["reuse_ratio"] == pytest.approx(STRATEGIES[name].rho, abs=0.05)
+    elif name == "droidspeak":  # dense while profiling its layers, then rebuilds a layer group
+        assert decisions.get("first") == 3 and figures["fallback_reasons"].get("profiling") == 2
+        assert decisions.get("recomputed", 0) >= 2
     elif STRATEGIES[name].chained:
         assert decisions.get("first") == 3 and decisions.get("corrected", 0) >= 2
     else:  # non-chained corrects the first agent too, from a context-free reference

@@ -25,10 +25,12 @@ import torch
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
+from agentcache.correction.selective import LayerProfile, layer_count, token_plan
 from agentcache.correction.store import Materialization, SegmentStore, common_prefix
 from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.engine.protocol import (Engine, ExecRequest, LayerRecompute, SamplingParams, SegmentPlan, Step,
+                                       TokenRecompute)
 from agentcache.isolation import Scope, tenant_salt
 
 __all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
@@ -44,7 +46,8 @@ TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpol
 class PHDecision:
     """How one PH segment is materialized in a call."""
 
-    decision: str  # "first" (no source: dense), "corrected", "reused" (raw), "fallback" (dense), "off"
+    # "first" (no source: dense), "corrected", "reused" (raw), "recomputed" (selective), "fallback" (dense), "off"
+    decision: str
     reason: str | None = None  # why it fell back
     source: Materialization | None = None
     covered: int = 0  # leading tokens served by `inject`
@@ -52,6 +55,7 @@ class PHDecision:
     entropy: float | None = None
     anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
     plan_s: float = 0.0  # time spent planning (inside TTFT)
+    recompute: TokenRecompute | LayerRecompute | None = None  # what the engine rebuilds of `inject`
 
     @property
     def reused(self) -> bool:
@@ -65,6 +69,7 @@ class Corrector:
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
         self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
+        self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
         self.anchor_build_s = 0.0
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
@@ -103,6 +108,8 @@ class Corrector:
         except Exception:
             self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
             raise
+        if self.strategy.recompute is not None:
+            return self._selective(scope, source, shared, aligned)
         if not self.strategy.correct:
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
         try:
@@ -114,6 +121,40 @@ class Corrector:
             for anchor in self.bank.candidates((scope.tenant, slot), source.agent, agent):
                 self.bank.drop((scope.tenant, slot), anchor)
             raise
+
+    def _selective(self, scope: Scope, source: Materialization, shared: int, aligned: SegmentKV) -> PHDecision:
+        """CacheBlend or DroidSpeak: reuse the aligned source, the engine rebuilding 1 − ρ of it."""
+        s = self.strategy
+        if s.recompute == "tokens":
+            return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+                              recompute=token_plan(s.rho, s.probe_layer))
+        profile = self._profile(scope)
+        if not profile.ready:
+            return PHDecision("fallback", reason="profiling", source=source)
+        if layer_count(s.rho, profile.num_layers) == 0:
+            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+        hidden = source.hidden
+        if hidden is None or hidden.shape[0] < shared:
+            return PHDecision("fallback", reason="no_hidden_states", source=source)
+        return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+                          recompute=profile.recompute(s.rho, hidden[:shared]))
+
+    def _profile(self, scope: Scope) -> LayerProfile:
+        profile = self.profiles.get(scope.tenant)
+        if profile is None:
+            profile = LayerProfile(self.engine.layout.num_layers, self.strategy.profile_transitions)
+            self.profiles[scope.tenant] = profile
+        return profile
+
+    def hidden_layer(self, scope: Scope) -> int | None:
+        """The decoder layer whose input hidden states a call should hand back (DroidSpeak's E cache,
+        once its layer group is known); None when the strategy needs none."""
+        s = self.strategy
+        if s.recompute != "layers" or not s.reuse:
+            return None
+        profile = self._profile(scope)
+        count = layer_count(s.rho, profile.num_layers)
+        return profile.group(count)[0] if profile.ready and count else None
 
     def _source_is_sound(self, source: Materialization) -> bool:
         """The stored KV fits the model and is finite; otherwise it is removed from the store."""
@@ -209,7 +250,8 @@ class Corrector:
     # --- after the call --------------------------------------------------------------------
 
     def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
-               kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True) -> None:
+               kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True,
+               hidden: torch.Tensor | None = None) -> None:
         """Record what the segment became in the call (`how`), with its KV `kv`: the next edge's source
         and, after a dense fallback, a new anchor. The anchor is built before anything is changed, so a
         fault while building it loses only the anchor. `own_tokens_exact`: none of the segment's tokens
@@ -225,17 +267,33 @@ class Corrector:
                 anchor = self._build_anchor(agent, decision.source, token_ids, kv)
             except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
                 self.fault("anchor_build_error", f"no anchor from agent {agent!r}'s fallback on slot {slot!r}", exc)
+        if decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
+            self._observe_layers(scope, decision.source, token_ids, kv)
         for used in decision.anchors if decision.reused else ():
             used.uses += 1
         if self.strategy.chained:
-            self.store.put(scope, slot, agent, token_ids, kv, how)
+            self.store.put(scope, slot, agent, token_ids, kv, how, hidden=hidden)
         if anchor is not None:
             self.bank.add((scope.tenant, slot), *anchor)
 
-    def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None) -> None:
+    def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None,
+                      hidden: torch.Tensor | None = None) -> None:
         """An agent's decoded output becomes the source of its `out:<agent>` slot."""
         if kv is not None and token_ids and self.strategy.reuse:
-            self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded")
+            self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded", hidden=hidden)
+
+    def _observe_layers(self, scope: Scope, source: Materialization, token_ids: Sequence[int],
+                        dense: SegmentKV) -> None:
+        """DroidSpeak's profiling: how far each layer of the re-aligned source is from the dense target."""
+        shared = common_prefix(source.token_ids, token_ids)
+        profile = self._profile(scope)
+        if shared == 0 or profile.ready:
+            return
+        try:
+            profile.observe(self.engine.realign(source.kv.slice(0, shared), 0),
+                            self.engine.realign(dense.slice(0, shared), 0))
+        except Exception as exc:  # noqa: BLE001 - a transition lost to profiling, never the call
+            self.fault("profile_error", f"profiling the layers of slot {source.slot!r}", exc)
 
     def _build_anchor(self, agent: str, source: Materialization, token_ids: Sequence[int],
                       dense: SegmentKV) -> tuple | None:

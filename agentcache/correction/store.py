@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import torch
+
 from agentcache.engine.kv import SegmentKV
 from agentcache.isolation import Scope
 
@@ -38,10 +40,12 @@ class Materialization:
     kv: SegmentKV  # full-dimensional KV of token_ids, at the positions it was made at
     how: str  # "dense", "prefix_hit", "corrected", "reused", "decoded", "reference"
     serial: int = 0  # order of materialization: higher is newer
+    hidden: torch.Tensor | None = None  # (T, hidden size) entering DroidSpeak's layer group, when kept
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        held = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        return self.kv.nbytes + held
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,13 @@ class SegmentStore:
         return len(self._by_scope)
 
     def put(self, scope: Scope, slot: str, agent: str, token_ids: Sequence[int], kv: SegmentKV,
-            how: str) -> Materialization | None:
-        """Keep a materialization; None when it alone is larger than the whole budget."""
+            how: str, hidden: torch.Tensor | None = None) -> Materialization | None:
+        """Keep a materialization (with the hidden states its tokens left, if any); None when it alone
+        is larger than the whole budget."""
         serial = next(self._ids)
-        entry = Materialization(f"{slot}#{serial}", scope, slot, agent, tuple(token_ids), kv, how, serial)
+        if hidden is not None and hidden.shape[0] != len(token_ids):
+            hidden = None  # not one row per token: of no use to a consumer
+        entry = Materialization(f"{slot}#{serial}", scope, slot, agent, tuple(token_ids), kv, how, serial, hidden)
         if entry.nbytes > self.byte_budget:
             self.rejected_too_large += 1
             return None

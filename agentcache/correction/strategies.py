@@ -10,6 +10,13 @@ Every strategy runs through the same corrector; they differ only in these switch
 | kvcmas             | yes   | yes     | yes     | 32, 32          | 10      |
 | kvcmas_nonchained  | yes   | yes     | no      | 32, 32          | 10      |
 | kvcmas_fullrank    | yes   | yes     | yes     | full            | 10      |
+| cacheblend         | yes   | no      | yes     | -               | -       |
+| droidspeak         | yes   | no      | yes     | -               | -       |
+
+CacheBlend and DroidSpeak are selective recomputation: they reuse the aligned source and rebuild
+a fixed share 1 − ρ of it under the consumer's own context, CacheBlend the tokens whose KV at an
+early layer deviates most, DroidSpeak a group of layers found by profiling the first transitions
+(see `correction.selective`). They need an engine with `supports_recompute` (the embedded one).
 
 Chained: an edge's source is the latest materialization of the segment along the workflow,
 and the first agent prefills densely (exact). Non-chained: the source is a context-free
@@ -36,6 +43,10 @@ class Strategy:
     max_anchors: int = 10  # V, per slot
     tau: float = 0.3  # accept a correction when the gate's normalized entropy is at most tau
     temperature: float = 1.0  # T of the gate's softmax (the token-wise weights always use T = 1)
+    recompute: str | None = None  # "tokens" (CacheBlend) or "layers" (DroidSpeak): selective recomputation
+    rho: float | None = None  # selective recomputation: the share of the shared KV reused (1 − ρ is rebuilt)
+    probe_layer: int = 1  # CacheBlend: the layer whose KV deviation picks the tokens (0..it run for all)
+    profile_transitions: int = 2  # DroidSpeak: dense transitions profiled before its layer group is fixed
 
     def __post_init__(self) -> None:
         for name in ("base_rank", "delta_rank"):
@@ -48,6 +59,19 @@ class Strategy:
             raise ValueError(f"Strategy.tau is a normalized entropy threshold in [0, 1], got {self.tau!r}")
         if not self.temperature > 0:
             raise ValueError(f"Strategy.temperature must be positive, got {self.temperature!r}")
+        if self.recompute not in (None, "tokens", "layers"):
+            raise ValueError(f"Strategy.recompute must be None, 'tokens' (CacheBlend) or 'layers' (DroidSpeak), "
+                             f"got {self.recompute!r}")
+        if self.recompute is not None:
+            if self.correct:
+                raise ValueError("a selective-recomputation strategy rebuilds part of the source; it does not also "
+                                 "correct it (set correct=False)")
+            if not (isinstance(self.rho, (int, float)) and 0.0 <= self.rho <= 1.0):
+                raise ValueError(f"Strategy.rho, the share of the shared KV reused, must be in [0, 1], got {self.rho!r}")
+        if type(self.probe_layer) is not int or self.probe_layer < 1:
+            raise ValueError(f"Strategy.probe_layer must be an int >= 1 (layer 0 is exact), got {self.probe_layer!r}")
+        if type(self.profile_transitions) is not int or self.profile_transitions < 1:
+            raise ValueError(f"Strategy.profile_transitions must be a positive int, got {self.profile_transitions!r}")
 
     def replace(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
@@ -62,6 +86,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("kvcmas"),
         Strategy("kvcmas_nonchained", chained=False),
         Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None),
+        Strategy("cacheblend", correct=False, recompute="tokens", rho=0.8),
+        Strategy("droidspeak", correct=False, recompute="layers", rho=0.8),
     )
 }
 

@@ -23,6 +23,7 @@ from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import CallCache, SegmentKV
+from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import EngineLoop
 from agentcache.engine.protocol import (
     CacheStats,
@@ -138,6 +139,7 @@ class EmbeddedEngine(ModelFrontend):
         self._init_frontend(loaded, self.model)
         self.block_size = self.config.block_size
         self.runner = ModelRunner(self.model, self.layout)
+        self.layers = LayerControl.of(self.model)  # part-stack passes for selective recomputation
         self.threads = choose_threads(self.model, self.config.threads)
         capacity = self.config.pool_blocks or max(
             1, self.config.pool_bytes // (self.layout.bytes_per_token * self.block_size)
@@ -167,6 +169,10 @@ class EmbeddedEngine(ModelFrontend):
     @property
     def prefix_caching(self) -> bool:
         return self.config.prefix_caching
+
+    @property
+    def supports_recompute(self) -> bool:
+        return True
 
     @property
     def eviction_policy(self) -> EvictionPolicy:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from agentcache.engine.kv import KVLayout, SegmentKV
-from agentcache.engine.protocol import ExecRequest, Step
+from agentcache.engine.protocol import ExecRequest, Step, TokenRecompute
 from agentcache.engine.rope import RopeAligner
 from agentcache.engine.tokens import LiteralTokenizer
 from agentcache.errors import (
@@ -72,6 +72,7 @@ class ModelFrontend:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self.layout = layout_of(model)
+        self.hidden_size = int(getattr(model.config, "get_text_config", lambda: model.config)().hidden_size)
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(model)
             self._rope_error: RopeAlignmentError | None = None
@@ -107,6 +108,10 @@ class ModelFrontend:
     def supports_realignment(self) -> bool:
         return self._rope is not None
 
+    @property
+    def supports_recompute(self) -> bool:
+        return False  # an engine that runs part of its decoder stack says so
+
     def realign(self, kv: SegmentKV, start: int) -> SegmentKV:
         """The same KV moved to positions start..; no longer exact once moved."""
         if start == kv.start:
@@ -129,6 +134,7 @@ class ModelFrontend:
                 f"{self.model_name} needs its BOS token (id {self.bos_token_id}) first; the call starts with "
                 f"id {prompt[0]}: tokenize the first segment with bos=True"
             )
+        self._check_recompute(request)
         start = 0
         for seg in request.segments:
             self._check_ids(seg.token_ids, f"segment '{seg.name}'")
@@ -140,6 +146,33 @@ class ModelFrontend:
                 if kv.start != start and self._rope is None:
                     raise self._rope_error
             start += len(seg.token_ids)
+
+    def _check_recompute(self, request: ExecRequest) -> None:
+        """Selective recomputation and hidden states are asked only of an engine that has them, and fit the model."""
+        recomputed = [seg for seg in request.segments if seg.recompute is not None]
+        if not recomputed and request.hidden_layer is None:
+            return
+        if not self.supports_recompute:
+            raise PlanError(f"{type(self).__name__} cannot recompute part of an injected segment or hand back hidden "
+                            "states (CacheBlend, DroidSpeak): run those on the EmbeddedEngine")
+        layers = self.layout.num_layers
+        if request.hidden_layer is not None and request.hidden_layer >= layers:
+            raise PlanError(f"hidden_layer {request.hidden_layer} is past {self.model_name}'s {layers} layers")
+        for seg in recomputed:
+            spec = seg.recompute
+            if isinstance(spec, TokenRecompute):
+                if spec.probe_layer >= layers:
+                    raise PlanError(f"segment '{seg.name}': probe layer {spec.probe_layer} is past {layers} layers")
+                continue
+            if spec.last >= layers:
+                raise PlanError(f"segment '{seg.name}': layers {spec.first}..{spec.last} are past {layers} layers")
+            if spec.hidden.shape[1] != self.hidden_size:
+                raise KVShapeError(f"segment '{seg.name}': LayerRecompute.hidden must have width {self.hidden_size}, "
+                                   f"got {tuple(spec.hidden.shape)}")
+            known = torch.isfinite(spec.hidden).all(-1)  # (T,): unknown rows may only lead (prefilled)
+            if bool(known.any()) and not bool(known[int(known.float().argmax()):].all()):
+                raise KVShapeError(f"segment '{seg.name}': LayerRecompute.hidden has NaN/Inf rows after known ones; "
+                                   "only leading rows may be unknown")
 
     def _check_ids(self, token_ids: Sequence[int], what: str) -> None:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]

@@ -5,7 +5,9 @@ One call = an ordered list of segments, each with a plan step:
 - `PREFIX`: serve the segment from the exact prefix cache as far as the pool holds it, prefill
   the rest densely. Only a leading run of PREFIX segments is looked up.
 - `DENSE`: prefill the segment under the call's real preceding context.
-- `INJECT`: use the given KV for the segment (re-aligned to its position if needed).
+- `INJECT`: use the given KV for the segment (re-aligned to its position if needed); with a
+  `recompute` (engines with `supports_recompute`), part of it is recomputed under the call's own
+  context instead: CacheBlend's tokens (`TokenRecompute`) or DroidSpeak's layers (`LayerRecompute`).
 
 The engine reports, per segment, how each token was materialized, and hands back the KV of
 every segment and of the generated tokens with the positions they sit at.
@@ -27,6 +29,8 @@ from agentcache.errors import PlanError, SegmentError
 
 __all__ = [
     "Step",
+    "TokenRecompute",
+    "LayerRecompute",
     "SegmentPlan",
     "SamplingParams",
     "ExecRequest",
@@ -44,6 +48,41 @@ class Step(str, Enum):
 
 
 @dataclass(frozen=True)
+class TokenRecompute:
+    """CacheBlend: recompute the `fraction` of the injected tokens whose KV deviates most.
+
+    Layers 0..`probe_layer` first run for every token after the prefix (exact there: layer 0's KV
+    depends on the token and position only); the tokens whose KV at `probe_layer` is furthest from
+    the injected KV then run through every layer, attending to the injected KV of the others."""
+
+    fraction: float
+    probe_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if not (_is_number(self.fraction) and 0.0 <= self.fraction <= 1.0):
+            raise PlanError(f"TokenRecompute.fraction must be in [0, 1], got {self.fraction!r}")
+        if type(self.probe_layer) is not int or self.probe_layer < 0:
+            raise PlanError(f"TokenRecompute.probe_layer must be an int >= 0, got {self.probe_layer!r}")
+
+
+@dataclass(frozen=True)
+class LayerRecompute:
+    """DroidSpeak: recompute layers `first`..`last` of every injected token, starting from
+    `hidden`, the hidden states that entered layer `first` when the source computed these tokens
+    (its "E cache"); the other layers keep the injected KV."""
+
+    first: int
+    last: int
+    hidden: torch.Tensor = field(repr=False)  # (T, hidden size), T = the segment's tokens
+
+    def __post_init__(self) -> None:
+        if type(self.first) is not int or type(self.last) is not int or not 0 <= self.first <= self.last:
+            raise PlanError(f"LayerRecompute needs layers 0 <= first <= last, got {self.first!r}..{self.last!r}")
+        if not isinstance(self.hidden, torch.Tensor) or self.hidden.dim() != 2:
+            raise PlanError("LayerRecompute.hidden must be a (tokens, hidden size) tensor")
+
+
+@dataclass(frozen=True)
 class SegmentPlan:
     """One segment of a call and how to materialize it."""
 
@@ -52,6 +91,7 @@ class SegmentPlan:
     step: Step = Step.PREFIX
     kv: SegmentKV | None = None  # required for INJECT: KV of exactly these tokens
     capture: bool = True  # hand this segment's KV back in the result (a copy); False saves the copy
+    recompute: TokenRecompute | LayerRecompute | None = None  # INJECT only: selective recomputation
 
     def __post_init__(self) -> None:
         try:
@@ -69,6 +109,16 @@ class SegmentPlan:
             raise PlanError(f"segment '{self.name}': step 'inject' needs the segment's KV (kv=SegmentKV)")
         if self.step is not Step.INJECT and self.kv is not None:
             raise PlanError(f"segment '{self.name}': KV was given but the step is '{self.step.value}', not 'inject'")
+        if self.recompute is not None:
+            if self.step is not Step.INJECT:
+                raise PlanError(f"segment '{self.name}': only an injected segment can be recomputed in part")
+            if not isinstance(self.recompute, (TokenRecompute, LayerRecompute)):
+                raise PlanError(f"segment '{self.name}': recompute must be a TokenRecompute or LayerRecompute, "
+                                f"got {type(self.recompute).__name__}")
+            hidden = getattr(self.recompute, "hidden", None)
+            if hidden is not None and hidden.shape[0] != len(self.token_ids):
+                raise PlanError(f"segment '{self.name}': LayerRecompute.hidden has {hidden.shape[0]} rows for "
+                                f"{len(self.token_ids)} tokens")
 
 
 @dataclass(frozen=True)
@@ -114,6 +164,9 @@ class ExecRequest:
     # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
     capture_kv: bool = True  # hand back the KV of the segments that ask for it, and of the output
     priority: int = 0  # among waiting requests, lower runs first; warm-ups always come after real calls
+    # hand back the hidden states entering this decoder layer for every segment the engine computed
+    # (or was given them for) and for the generated tokens: the E cache of DroidSpeak's next consumers
+    hidden_layer: int | None = None
     # called with each generated token, on the engine's loop thread: it must be quick (hand the token on)
     on_token: Callable[[int], None] | None = field(default=None, compare=False)
 
@@ -124,6 +177,11 @@ class ExecRequest:
             raise PlanError(f"ExecRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if type(self.priority) is not int:
             raise PlanError(f"ExecRequest.priority must be an int (lower runs first), got {self.priority!r}")
+        if self.hidden_layer is not None and (type(self.hidden_layer) is not int or self.hidden_layer < 0):
+            raise PlanError(f"ExecRequest.hidden_layer must be an int >= 0 or None, got {self.hidden_layer!r}")
+        if (any(isinstance(seg.recompute, TokenRecompute) for seg in self.segments)
+                and any(isinstance(seg.recompute, LayerRecompute) for seg in self.segments)):
+            raise PlanError("a call recomputes either tokens (TokenRecompute) or layers (LayerRecompute), not both")
         if self.on_token is not None and not callable(self.on_token):
             raise PlanError(f"ExecRequest.on_token must be callable or None, got {type(self.on_token).__name__}")
         for name in ("lineage", "cache_salt", "owner", "session"):
@@ -147,6 +205,17 @@ class SegmentOutcome:
     injected_tokens: int  # taken from the plan's KV
     kv: SegmentKV | None  # what the segment's KV became in this call
     lineage_tokens: int = 0  # of cached_tokens, those served by the lineage's approximate blocks
+    # of injected_tokens, tokens' worth of KV recomputed under this call's context (so not reused):
+    # CacheBlend's picked tokens, or every token times DroidSpeak's share of the layers
+    recomputed_tokens: float = 0.0
+    # prefill work beyond that, in full-forward tokens: CacheBlend's probe (its first layers, every token)
+    probe_tokens: float = 0.0
+    hidden: torch.Tensor | None = None  # (T, hidden size) entering `hidden_layer`, when asked and known
+
+    @property
+    def prefill_tokens(self) -> float:
+        """The segment's prefill work in full-forward tokens: computed, recomputed, probed."""
+        return self.computed_tokens + self.recomputed_tokens + self.probe_tokens
 
 
 @dataclass(frozen=True)
@@ -162,6 +231,7 @@ class ExecResult:
     last_logits: torch.Tensor  # (V,) float32 logits at the last prompt position
     generated_kv: SegmentKV | None  # KV of the generated tokens fed back (all but the last)
     queued_s: float = 0.0  # of ttft_s, waiting to be admitted (behind other requests)
+    generated_hidden: torch.Tensor | None = None  # (T, hidden size) of the fed-back generated tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -203,6 +273,11 @@ class Engine(Protocol):
 
     @property
     def supports_realignment(self) -> bool: ...
+
+    @property
+    def supports_recompute(self) -> bool:
+        """Whether injected segments may carry a `recompute` and requests a `hidden_layer`."""
+        ...
 
     @property
     def prefix_caching(self) -> bool:

@@ -17,10 +17,12 @@ its own bookkeeping, so other threads' lookups never wait for a step.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
+from collections.abc import Iterator
 from concurrent.futures import Future
-from functools import partial
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +30,23 @@ from agentcache.engine.batch import DecodeRows
 from agentcache.engine.cache_manager import Lease
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
 from agentcache.engine.loop import Job
-from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
+from agentcache.engine.protocol import (
+    ExecRequest,
+    ExecResult,
+    LayerRecompute,
+    SegmentOutcome,
+    Step,
+    TokenRecompute,
+)
+from agentcache.engine.recompute import (
+    Blend,
+    HiddenRecord,
+    Layered,
+    chunks,
+    known_from,
+    pick_deviating,
+    stages,
+)
 from agentcache.engine.sampling import choose_token, finish_after
 from agentcache.errors import Preempted
 
@@ -51,6 +69,9 @@ class _Live:
     logits: torch.Tensor | None = None  # (V,) at the last prompt position
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # per segment (start, cached, computed, injected)
     first_approx: int | None = None  # first position whose KV is not exact for this prompt
+    recomputed: dict[int, float] = field(default_factory=dict)  # segment -> tokens' worth recomputed
+    probed: dict[int, float] = field(default_factory=dict)  # segment -> CacheBlend probe work, in tokens
+    hidden: HiddenRecord | None = None  # the hidden states entering `request.hidden_layer`, when asked
     generator: torch.Generator | None = None
     generated: list[int] = field(default_factory=list)
     ttft: float = 0.0
@@ -73,7 +94,7 @@ def _order(job: Job) -> tuple:
 
 
 class BatchScheduler:
-    def __init__(self, engine: "EmbeddedEngine", max_batch: int, warmup_chunk: int) -> None:
+    def __init__(self, engine: EmbeddedEngine, max_batch: int, warmup_chunk: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.warmup_chunk = warmup_chunk
@@ -149,6 +170,8 @@ class BatchScheduler:
             for seg in request.segments:
                 ends.append(ends[-1] + len(seg.token_ids))
             live = _Live(job, prompt, lease, cache, prefix_digests(prompt, ends, engine.model_key))
+            if request.hidden_layer is not None:
+                live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, engine.hidden_size)
             sampling = request.sampling
             if sampling.temperature > 0 and sampling.seed is not None:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
@@ -187,7 +210,8 @@ class BatchScheduler:
         segments, the tail) is computed in one scattered pass: each token attends to everything at
         lower positions, injected or dense. On a CPU a forward pass costs about as much for 5
         tokens as for 100 (reading the weights dominates), so one pass instead of one per glue
-        segment is what lets reuse pay off for short shared segments."""
+        segment is what lets reuse pay off for short shared segments. Selective recomputation
+        (`engine.recompute`) adds CacheBlend's probe and picked tokens, or DroidSpeak's layer groups."""
         engine, request, cache = self.engine, live.request, live.cache
         runner = engine.runner
         prompt = live.prompt
@@ -195,6 +219,8 @@ class BatchScheduler:
         chunk = self.warmup_chunk if request.warmup else engine.config.prefill_chunk
         dense: list[int] = []  # positions to compute, ascending
         placed: list[tuple[int, SegmentKV]] = []  # injected KV, re-aligned to its position
+        blends: list[Blend] = []
+        layered: list[Layered] = []
         first_inject_approx = None
         pos = 0
         last = len(request.segments) - 1
@@ -205,9 +231,20 @@ class BatchScheduler:
                 inject = (n - 1 if index == last else n) - cached  # the final prompt token runs for its logits
                 if inject > 0:
                     exact_here = seg.kv.start == pos and seg.kv.exact_for == live.digests[pos + n]
-                    placed.append((pos + cached, engine.realign(seg.kv.slice(cached, cached + inject), pos + cached)))
+                    kv = engine.realign(seg.kv.slice(cached, cached + inject), pos + cached)
+                    placed.append((pos + cached, kv))
                     if not exact_here and first_inject_approx is None:
                         first_inject_approx = pos + cached
+                    span = list(range(pos + cached, pos + cached + inject))
+                    if isinstance(seg.recompute, TokenRecompute):
+                        blends.append(Blend(index, span, kv, seg.recompute))
+                    elif isinstance(seg.recompute, LayerRecompute):
+                        hidden = seg.recompute.hidden[cached : cached + inject]  # (inject, hidden size)
+                        unknown = known_from(hidden)  # leading tokens without hidden states: prefilled
+                        dense.extend(span[:unknown])
+                        live.recomputed[index] = float(unknown)
+                        if unknown < len(span):
+                            layered.append(Layered(index, span[unknown:], hidden[unknown:], seg.recompute))
                 inject = max(inject, 0)
                 dense.extend(range(pos + cached + inject, pos + n))
                 live.spans.append((pos, cached, n - cached - inject, inject))
@@ -218,29 +255,79 @@ class BatchScheduler:
         split = placed[0][0] if placed else pos
         head = [p for p in dense if p < split]  # contiguous, from the end of the prefix hit
         tail = [p for p in dense if p >= split]
-        passes = []  # one forward pass each, returning the logits of its last position
-        if head:
-            first, tokens = head[0], prompt[head[0] : head[-1] + 1]
-            for offset in range(0, len(tokens), chunk):
-                passes.append(partial(runner.forward, cache, tokens[offset : offset + chunk], first + offset))
-        if placed:
-            def scattered(part: list[int], first_pass: bool) -> torch.Tensor:
-                if first_pass:  # the injected KV goes in right before the first pass that reads it
-                    cache.clear(split, pos)
-                    for start, kv in placed:
-                        cache.place(start, kv.keys, kv.values)
-                return runner.forward_scattered(cache, [prompt[p] for p in part], part, pos)
-
-            for offset in range(0, len(tail), chunk):
-                passes.append(partial(scattered, tail[offset : offset + chunk], offset == 0))
-        for index, forward in enumerate(passes):
-            live.logits = forward()
-            if index < len(passes) - 1:
+        ran = False  # a pass has run: yield before the next one
+        for part in chunks(head, chunk):
+            if ran:
                 yield
+            live.logits = self._pass(live, part, partial(runner.forward, cache, [prompt[p] for p in part], part[0]))
+            ran = True
         if placed:
+            cache.clear(split, pos)
+            for start, kv in placed:
+                cache.place(start, kv.keys, kv.values)
+            if blends:
+                probe = max(b.spec.probe_layer for b in blends)
+                probed = sorted(set(tail).union(*(b.positions for b in blends)))
+                for part in chunks(probed, chunk):
+                    if ran:
+                        yield
+                    self._scattered(live, part, pos, last=probe)
+                    ran = True
+                self._count(live, probed, live.probed, (probe + 1) / engine.layout.num_layers)
+                for blend in blends:
+                    picked = pick_deviating(cache, blend, probe)
+                    live.recomputed[blend.segment] = float(len(picked))
+                    tail.extend(picked)
+                tail.sort()
+            for stage in stages(tail, layered):
+                if isinstance(stage, Layered):
+                    for i in range(0, len(stage.positions), chunk):
+                        if ran:
+                            yield
+                        self._scattered(live, stage.positions[i : i + chunk], pos, first=stage.spec.first,
+                                        last=stage.spec.last, hidden=stage.hidden[i : i + chunk])
+                        ran = True
+                    share = len(stage.positions) * stage.layers / engine.layout.num_layers
+                    live.recomputed[stage.segment] = live.recomputed.get(stage.segment, 0.0) + share
+                    continue
+                for part in chunks(stage, chunk):
+                    if ran:
+                        yield
+                    live.logits = self._scattered(live, part, pos)
+                    ran = True
             cache.commit(pos)
         approx = ([lineage_from] if lineage_from < hit else []) + [first_inject_approx]
         live.first_approx = min((p for p in approx if p is not None), default=None)
+
+    def _scattered(self, live: _Live, positions: list[int], end: int, first: int = 0, last: int | None = None,
+                   hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One scattered pass over `positions` (below `end`), through layers first..last, layer
+        `first` taking `hidden` (T, hidden size) as its input when given."""
+        forward = partial(self.engine.runner.forward_scattered, live.cache, [live.prompt[p] for p in positions],
+                          positions, end)
+        return self._pass(live, positions, forward, first, last, None if hidden is None else hidden[None])
+
+    def _pass(self, live: _Live, positions: list[int], forward, first: int = 0, last: int | None = None,
+              hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one forward pass over `positions`, within the layer range, recording the hidden
+        states the request asked for (the input of its `hidden_layer`, when the range runs it)."""
+        record = live.hidden
+        top = self.engine.layout.num_layers - 1 if last is None else last
+        capture = record.layer if record is not None and first <= record.layer <= top else None
+        if capture is None and first == 0 and last is None:
+            return forward()
+        with self.engine.layers.running(first, last, hidden, capture) as setting:
+            logits = forward()
+        if capture is not None:
+            record.put(positions, setting.captured[0][0])  # (T, hidden size)
+        return logits
+
+    def _count(self, live: _Live, positions: list[int], into: dict[int, float], weight: float) -> None:
+        """Add `weight` per position to the segment holding it."""
+        starts = [start for start, *_ in live.spans]
+        for p in positions:
+            segment = bisect_right(starts, p) - 1
+            into[segment] = into.get(segment, 0.0) + weight
 
     # --- decoding --------------------------------------------------------------------------------
 
@@ -261,7 +348,7 @@ class BatchScheduler:
         by_cache = {id(live.cache): live for live in members}
         ordered = [by_cache[id(cache)] for cache in self.rows.members]  # row order
         try:
-            logits = self.engine.runner.decode(self.rows, [live.generated[-1] for live in ordered])  # (n, V)
+            logits = self._decode_step(ordered)  # (n, V)
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
             for live in ordered:
                 self._drop(live, exc)
@@ -281,6 +368,24 @@ class BatchScheduler:
         for live in done:
             self._finish(live)
 
+    def _decode_step(self, ordered: list[_Live]) -> torch.Tensor:
+        """One batched decode step over the rows (in row order), recording the hidden states of the
+        rows that ask for them. Rows asking for different layers: only the first layer asked is
+        recorded (the others' output then has no hidden states, and their consumers prefill)."""
+        tokens = [live.generated[-1] for live in ordered]
+        asking = [(row, live) for row, live in enumerate(ordered) if live.hidden is not None]
+        if not asking:
+            return self.engine.runner.decode(self.rows, tokens)
+        layer = asking[0][1].hidden.layer
+        positions = [live.cache.length for live in ordered]  # where each row's token goes
+        with self.engine.layers.running(capture=layer) as setting:
+            logits = self.engine.runner.decode(self.rows, tokens)
+        hidden = setting.captured[0]  # (n, 1, hidden size)
+        for row, live in asking:
+            if live.hidden.layer == layer:
+                live.hidden.put([positions[row]], hidden[row])
+        return logits
+
     def _emit(self, live: _Live, token: int) -> bool:
         """Record a generated token; returns whether the request is finished."""
         engine, sampling = self.engine, live.request.sampling
@@ -289,7 +394,7 @@ class BatchScheduler:
         if on_token is not None:
             try:
                 on_token(token)
-            except Exception as exc:  # noqa: BLE001 - the caller's callback fails its own request only
+            except Exception as exc:
                 raise _CallbackError(exc) from exc
         ended = finish_after(live.generated, sampling.max_tokens, sampling.stop, sampling.ignore_eos,
                              engine.eos_token_ids, engine.detokenize)
@@ -316,20 +421,24 @@ class BatchScheduler:
                     cached_tokens=c, computed_tokens=d, injected_tokens=j,
                     kv=self._capture(live, s, s + len(seg.token_ids)) if request.capture_kv and seg.capture else None,
                     lineage_tokens=max(0, min(s + c, hit) - max(s, lineage_from)),
+                    recomputed_tokens=live.recomputed.get(index, 0.0), probe_tokens=live.probed.get(index, 0.0),
+                    hidden=live.hidden.get(s, s + len(seg.token_ids)) if live.hidden is not None else None,
                 )
-                for seg, (s, c, d, j) in zip(request.segments, live.spans)
+                for index, (seg, (s, c, d, j)) in enumerate(zip(request.segments, live.spans))
             ]
             fed = live.generated[:-1]  # the last generated token was never fed back, so it has no KV
-            generated_kv = None
+            generated_kv = generated_hidden = None
             if request.capture_kv and fed:
                 end = len(prompt) + len(fed)
                 live.digests.update(prefix_digests(prompt + fed, [end], engine.model_key))
                 generated_kv = self._capture(live, len(prompt), end)
+                if live.hidden is not None:
+                    generated_hidden = live.hidden.get(len(prompt), end)
             engine.cache.commit(live.lease, prompt + fed, cache.view, approximate_from=live.first_approx)
             result = ExecResult(
                 token_ids=list(live.generated), text=live.text, finish_reason=live.finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=live.ttft, total_s=time.perf_counter() - live.job.submitted,
-                segments=outcomes, last_logits=live.logits, generated_kv=generated_kv,
+                segments=outcomes, last_logits=live.logits, generated_kv=generated_kv, generated_hidden=generated_hidden,
                 queued_s=live.admitted - live.job.submitted,
             )
         except Exception as exc:  # noqa: BLE001
