@@ -455,6 +455,18 @@ class Runtime:
         if self.recorder is not None:
             self.recorder.record(call.agent, call.session, prompt, output, prefix_len)
 
+    def calibrate_gate(self, target_reuse: float, recent: int | None = None) -> float:
+        """Set the correction gate's τ so that the share `target_reuse` of the shared tokens planned
+        so far (a warm-up's; only the latest `recent` segments when given) would have been reused;
+        returns τ. `Strategy(target_reuse=...)` does this by itself after `calibrate_after` segments."""
+        if not self.strategy.correct:
+            raise InputError(f"strategy {self.strategy.name!r} has no correction gate to calibrate")
+        with self._lock:
+            try:
+                return self.corrector.calibrate(target_reuse, recent)
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
+
     # --- figures -------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
@@ -477,6 +489,8 @@ class Runtime:
             sessions=len(self.sessions),
             sessions_forgotten=self.sessions.forgotten,
             anchor_build_s=self.corrector.anchor_build_s,
+            gate_tau=self.corrector.tau,
+            gate_calibration=self.corrector.calibrated,
             faults=self._faults(),  # real faults only; normal fallbacks are in fallback_reasons
             eviction=getattr(self.engine.eviction_policy, "name", None),
             warmups=dict(self.warmup_coordinator.outcomes) if self.warmup_coordinator is not None else None,

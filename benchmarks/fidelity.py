@@ -12,7 +12,13 @@ Per strategy, over the scored calls:
 - `token_agreement`: fraction of the dense greedy continuation of the same prompt reproduced
   before the first divergence; `teacher_forced_top1` and `teacher_forced_kl` along it;
 - `accuracy`: the final answer is the right number; `final_agreement`: it equals NonShared's;
-- `reuse_ratio`: shared tokens served from reused cache / shared tokens that had a source.
+- `reuse_ratio`: shared tokens served from reused cache / shared tokens that had a source
+  (selective recomputation counts what it rebuilt as not reused);
+- `prefill_tokens_per_call`: the prefill work each call actually did, in full-forward tokens.
+
+Beside the named strategies, the paper's matched pairs (§4.2): CacheBlend and DroidSpeak at
+ρ = 0.9 and 0.8, KVCMAS with its gate calibrated on the second half of the warm-up to reach ρ =
+0.8 and 0.6 (`*_rho0.8`, ...).
 
 Prints one JSON object; `--quick` is a small run that finishes in under a minute on 2 cores.
 """
@@ -38,6 +44,17 @@ from agentcache.selfcheck import check_model
 from agentcache.tasks import FourAgentWorkflow, arithmetic_problem, fact_problem
 
 ORDER = ["nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"]
+# the paper's pairing at matched reuse (§4.2): selective recomputation at ρ = 0.9 and 0.8 beside
+# delta correction with its gate calibrated on the warm-up for ρ = 0.8 and 0.6
+MATCHED = {
+    "kvcmas_rho0.8": ("kvcmas", dict(target_reuse=0.8)),
+    "kvcmas_rho0.6": ("kvcmas", dict(target_reuse=0.6)),
+    "cacheblend_rho0.9": ("cacheblend", dict(rho=0.9)),
+    "cacheblend_rho0.8": ("cacheblend", dict(rho=0.8)),
+    "droidspeak_rho0.9": ("droidspeak", dict(rho=0.9)),
+    "droidspeak_rho0.8": ("droidspeak", dict(rho=0.8)),
+}
+QUICK = ["nonshared", "kvcmas_rho0.8", "cacheblend_rho0.8", "droidspeak_rho0.8"]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -52,14 +69,24 @@ def _spread(values: list[float]) -> dict | None:
             "max": ordered[-1]}
 
 
+def _learns(strategy) -> bool:
+    """Whether a strategy keeps state its warm-up traffic builds (anchors, a gate, a layer profile)."""
+    return strategy.reuse and (strategy.correct or strategy.recompute == "layers")
+
+
 def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     engine = EmbeddedEngine(args.model)
     check = None if args.quick else check_model(engine.with_config(EngineConfig()))
     strategies = {name: STRATEGIES[name] for name in ORDER}
+    for name, (base, changes) in MATCHED.items():
+        strategies[name] = STRATEGIES[base].replace(name=name, **changes)
+    if args.quick and not args.strategies:
+        strategies = {name: strategies[name] for name in QUICK}
     for rank in args.ranks:  # rank ablation: KVCMAS with other ranks for base caches and corrections
         strategies[f"kvcmas_r{rank}"] = STRATEGIES["kvcmas"].replace(name=f"kvcmas_r{rank}", base_rank=rank, delta_rank=rank)
     if args.strategies:
+        strategies.update({name: STRATEGIES[name] for name in args.strategies if name in STRATEGIES})
         unknown = set(args.strategies) - set(strategies) - {"nonshared"}
         if unknown:
             raise SystemExit(f"unknown strategies {sorted(unknown)}; choose from {sorted(strategies)}")
@@ -91,10 +118,22 @@ def run(args: argparse.Namespace) -> dict:
     scored = defaultdict(list)  # strategy -> [(call, dense)]
     answers = defaultdict(list)  # strategy -> [final text]
     correct = defaultdict(int)
+    calibrated = {}
+    spent = defaultdict(float)  # strategy -> seconds in its workflow runs (the dense reference runs included)
     for index in range(args.warmup + args.problems):
         warm = index < args.warmup
+        if index == args.warmup // 2:  # calibrate on the second half of the warm-up, once pools hold anchors
+            planned_at = {name: rt.corrector.planned for name, rt in runtimes.items()}
+        if index == args.warmup:
+            for name, rt in runtimes.items():
+                target = strategies[name].target_reuse
+                if target is not None and rt.strategy.correct:
+                    rt.calibrate_gate(target, recent=rt.corrector.planned - planned_at[name])
+                    calibrated[name] = rt.corrector.calibrated
         problem = make(10_000 + index if warm else index)
         for name in order:
+            if warm and not _learns(strategies[name]):
+                continue  # nothing to warm up: no anchor pools, no layer profile
             runtime = runtimes[name]
             pairs = []
 
@@ -106,7 +145,9 @@ def run(args: argparse.Namespace) -> dict:
                     pairs.append((result, dense_of(result, call, sampling)))
                 return result
 
+            begun = time.perf_counter()
             results = workflow.run(execute, problem)
+            spent[name] += time.perf_counter() - begun
             if not warm:
                 scored[name].extend(pairs)
                 answers[name].append(results[-1].text)
@@ -141,6 +182,10 @@ def run(args: argparse.Namespace) -> dict:
             "fallback_reasons": figures["fallback_reasons"],
             "anchor_bytes": runtimes[name].summary()["anchor_bytes"],
             "ttft_mean_s": figures["ttft_mean_s"],
+            # prefill work per scored call in full-forward tokens (computed, rebuilt, probed)
+            "prefill_tokens_per_call": figures["prefill_tokens"] / max(1, figures["calls"]),
+            "gate_tau": runtimes[name].corrector.tau if strategies[name].correct else None,
+            "workflow_s": spent[name],
             "gate_entropy": _spread([s.entropy for c, _ in pairs for s in c.segments if s.entropy is not None]),
         }
     return {
@@ -151,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         "warmup_problems": args.warmup,
         "records_per_query": args.records if args.task == "fact" else None,
         "tau": {name: s.tau for name, s in strategies.items()},
+        "gate_calibration": calibrated,
         "temperature": {name: s.temperature for name, s in strategies.items()},
         "self_check": None if check is None else check.to_dict(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cpus, torch CPU",
@@ -170,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=None, help="records per fact-retrieval query")
     parser.add_argument("--role-tokens", type=int, default=None)
     parser.add_argument("--final-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None, help="gate softmax temperature T (default 1)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="gate softmax temperature T, relative to the nearest anchor's distance (default 0.1)")
     parser.add_argument("--strategies", type=lambda v: [x for x in v.split(",") if x], default=[],
                         help="only these strategies (NonShared always runs: it is the reference)")
     parser.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                         help="comma-separated extra KVCMAS ranks to ablate, e.g. 8,16,64")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    defaults = dict(problems=1, warmup=2, records=5, role_tokens=3, final_tokens=6) if args.quick else \
+    defaults = dict(problems=1, warmup=3, records=3, role_tokens=2, final_tokens=3) if args.quick else \
         dict(problems=24, warmup=4, records=8, role_tokens=16, final_tokens=8)
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -200,14 +200,17 @@ def test_concurrency_bench_quick_reports_its_keys():
 def test_fidelity_bench_quick_reports_every_strategy():
     result = _quick("fidelity.py")
     assert result["model"] == "gemma3-270m"
-    names = {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"}
-    assert set(result["strategies"]) == names
-    for row in result["strategies"].values():
-        assert {"kv_rel_error", "token_agreement", "accuracy", "reuse_ratio"} <= row.keys()
-    nonshared = result["strategies"]["nonshared"]
+    rows = result["strategies"]
+    assert set(rows) == {"nonshared", "kvcmas_rho0.8", "cacheblend_rho0.8", "droidspeak_rho0.8"}
+    for row in rows.values():
+        assert {"kv_rel_error", "token_agreement", "accuracy", "reuse_ratio", "prefill_tokens_per_call"} <= row.keys()
+    nonshared = rows["nonshared"]
     assert nonshared["kv_rel_error"] < 1e-4 and nonshared["token_agreement"] == 1.0
-    assert result["strategies"]["kvcmas"]["reuse_ratio"] > 0.5
-    assert result["strategies"]["kvcmas"]["kv_rel_error"] < result["strategies"]["fullshared"]["kv_rel_error"]
+    assert result["gate_calibration"]["kvcmas_rho0.8"]["target_reuse"] == 0.8
+    assert rows["kvcmas_rho0.8"]["reuse_ratio"] > 0.5 and rows["kvcmas_rho0.8"]["gate_tau"] is not None
+    assert abs(rows["cacheblend_rho0.8"]["reuse_ratio"] - 0.8) < 0.05
+    for name in ("kvcmas_rho0.8", "cacheblend_rho0.8", "droidspeak_rho0.8"):  # reuse does less prefill work
+        assert 0 < rows[name]["kv_rel_error"] < 1 and rows[name]["prefill_tokens_per_call"] < nonshared["prefill_tokens_per_call"]
 
 
 @pytest.mark.slow
@@ -261,3 +264,27 @@ def test_soak_bench_keeps_state_bounded():
     assert 0 < result["store_lookup_ms_p50_start"] and 0 < result["store_lookup_ms_p50_end"]
     assert result["sessions_kept"] <= 128 and result["records_kept"] <= 1000 and result["faults"] == {}
     assert result["ph_decisions"]["corrected"] > 0  # corrections, anchors and lineage blocks were exercised
+
+
+def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
+    """The load sweep on the embedded engine: every strategy at every load point, the issue's keys,
+    load as a fraction of NonShared's measured saturation, and the plot."""
+    plot = tmp_path / "serving.png"
+    result = _quick("serving.py", "--plot", str(plot))
+    keys = {"p50_speedup_kvcmas_vs_nonshared", "p50_ratio_chained_vs_nonchained", "p50_ratio_kvcmas_vs_cacheblend",
+            "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"}
+    assert keys <= result.keys() and all(result[k] is not None and result[k] > 0 for k in keys)
+    (context,) = result["contexts"].values()
+    assert context["saturation_trajectories_per_s"] > 0 and set(context["loads"]) == {"0.5", "1.0"}
+    for point in context["loads"].values():
+        assert point["offered_requests_per_s"] == pytest.approx(4 * point["offered_trajectories_per_s"])
+        assert set(point["strategies"]) == {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained",
+                                            "cacheblend", "droidspeak"}
+        for name, row in point["strategies"].items():
+            assert row["errors"] == [] and row["requests"] == 4 * 3
+            assert row["ttft_p50_s"] <= row["ttft_p90_s"]
+        rows = point["strategies"]
+        assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.9
+        assert rows["kvcomm"]["peak_anchor_bytes"] > rows["kvcmas"]["peak_anchor_bytes"] > 0  # full rank vs low rank
+        assert rows["nonshared"]["peak_anchor_bytes"] == 0
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"

@@ -112,3 +112,29 @@ def test_base_layers_pair_with_source_layers_through_the_offset():
     d_near, d_far = factorize(torch.ones(2, 5, 3), None), factorize(-torch.ones(2, 5, 3), None)
     correction, _ = interpolated_correction(source, [near, far], [d_near, d_far], 1.0, base_layer_offset=1)
     assert torch.allclose(correction, torch.ones(2, 5, 3), atol=1e-4)
+
+
+def test_the_nearest_scaled_gate_reads_relative_distances_on_any_scale():
+    from agentcache.correction.matching import gate_weights, normalized_entropy
+
+    close, apart = torch.tensor([10.0, 10.2, 10.4]), torch.tensor([10.0, 20.0, 30.0])
+    for scale in (1.0, 100.0):  # the same relative spread, raw distances 100x apart
+        assert normalized_entropy(gate_weights(close * scale, 0.1)) > 0.9  # no anchor clearly nearer
+        assert normalized_entropy(gate_weights(apart * scale, 0.1)) < 0.01
+    assert torch.allclose(gate_weights(close, 0.1), gate_weights(close * 100, 0.1))
+    # the paper's absolute T = 1 on the large scale calls everything certain
+    assert normalized_entropy(gate_weights(close * 100, 1.0, "absolute")) < 1e-6
+    with pytest.raises(ValueError, match="gate scale"):
+        gate_weights(close, 0.1, "median")
+
+
+def test_calibrated_tau_accepts_the_lowest_entropies_up_to_the_target_share():
+    from agentcache.correction.matching import calibrated_tau
+
+    gated = [(0.1, 10), (0.5, 10), (0.2, 10), (0.9, 10)]
+    assert calibrated_tau(gated, 50, 0.4) == 0.2  # 20 of 50 eligible tokens: the two lowest entropies
+    assert calibrated_tau(gated, 50, 0.6) == 0.5
+    assert calibrated_tau(gated, 50, 0.9) == 1.0  # 10 tokens never reach the gate: accept all gated
+    assert calibrated_tau(gated, 50, 0.0) == 0.0
+    with pytest.raises(ValueError, match="warm-up"):
+        calibrated_tau([], 50, 0.5)

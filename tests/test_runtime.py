@@ -9,7 +9,7 @@ import torch
 
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine import SamplingParams
-from agentcache.errors import ContextLengthError, PlanError
+from agentcache.errors import ContextLengthError, InputError, PlanError
 from agentcache.fidelity import kv_error
 from agentcache.isolation import Scope
 from agentcache.runtime import Runtime, RuntimeConfig
@@ -129,7 +129,8 @@ def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(ge
     from agentcache.tasks import FourAgentWorkflow, fact_problem
 
     workflow = FourAgentWorkflow(role_tokens=6, final_tokens=6)
-    runs = {name: Runtime(gemma_engine.with_config(gemma_engine.config), strategy=name, config=NO_CHECK)
+    runs = {name: Runtime(gemma_engine.with_config(gemma_engine.config), strategy=STRATEGIES[name].replace(tau=1.0),
+                          config=NO_CHECK)  # the gate open: this is about the correction path
             for name in ("kvcmas", "fullshared", "nonshared")}
     for seed in (100, 101):
         workflow.run(runs["kvcmas"].run, fact_problem(seed, records=5))
@@ -393,3 +394,32 @@ def test_only_shared_segments_kv_comes_back_from_the_engine(tiny_engine):
     lean, kept = requests
     assert [s.capture for s in lean.segments] == [False, True, False]
     assert all(s.capture for s in kept.segments)
+
+
+def test_a_target_reuse_calibrates_the_gate_on_warm_up_traffic():
+    """`Strategy(target_reuse=...)` sets τ once `calibrate_after` eligible segments were planned;
+    a lower target gives a lower τ and less reuse afterwards."""
+    runs = {target: Runtime(make_engine("tiny-llama", pool_blocks=512),
+                            strategy=STRATEGIES["kvcmas"].replace(target_reuse=target, calibrate_after=8),
+                            config=NO_CHECK)
+            for target in (0.3, 0.9)}
+    reuse = {}
+    for target, rt in runs.items():
+        for seed in range(4):  # 2 eligible segments per chain: calibrated during the fourth
+            chain(rt, text_of_length(rt.engine, 40, seed=seed))
+        assert rt.corrector.calibrated is not None and rt.summary()["gate_calibration"]["target_reuse"] == target
+        before = rt.summary()
+        for seed in range(4, 10):
+            chain(rt, text_of_length(rt.engine, 40, seed=seed))
+        after = rt.summary()
+        reuse[target] = (after["reused_tokens"] - before["reused_tokens"]) / (after["eligible_tokens"] - before["eligible_tokens"])
+    assert runs[0.3].corrector.tau < runs[0.9].corrector.tau
+    assert reuse[0.3] < reuse[0.9]
+
+
+def test_calibrating_without_gate_evaluations_is_a_clear_error():
+    rt = runtime("kvcmas")
+    with pytest.raises(InputError, match="warm-up"):
+        rt.calibrate_gate(0.8)
+    with pytest.raises(InputError, match="no correction gate"):
+        runtime("fullshared").calibrate_gate(0.8)

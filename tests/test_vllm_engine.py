@@ -294,6 +294,10 @@ def test_demo_and_check_run_on_vllm(tmp_path, capsys):
 
 
 def _quick_bench(script: str) -> dict:
+    return _quick_bench_args(script)
+
+
+def _quick_bench_args(script: str, *extra: str) -> dict:
     import json
     import subprocess
     import sys
@@ -301,7 +305,7 @@ def _quick_bench(script: str) -> dict:
 
     require_vllm()
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--quick"],
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--quick", *extra],
                           capture_output=True, text=True, check=True, timeout=600)
     return json.loads(proc.stdout)
 
@@ -376,3 +380,14 @@ def test_readme_vllm_snippet_runs(tmp_path):
     namespace = _run_snippet(_readme_snippet("VLLMEngine(\"gemma3-270m\""), tmp_path)
     runtime = namespace["runtime"]
     assert type(runtime.engine).__name__ == "VLLMEngine" and runtime.engine.eviction_policy.name == "survival"
+
+
+def test_serving_bench_quick_runs_on_vllm_without_the_selective_baselines():
+    result = _quick_bench_args("serving.py", "--engine", "vllm")
+    assert set(result["skipped"]) == {"cacheblend", "droidspeak"}
+    assert all("EmbeddedEngine" in why for why in result["skipped"].values())
+    (context,) = result["contexts"].values()
+    for point in context["loads"].values():
+        assert set(point["strategies"]) == {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained"}
+        assert all(row["errors"] == [] and row["requests"] == 12 for row in point["strategies"].values())
+    assert result["p50_speedup_kvcmas_vs_nonshared"] > 0 and result["p50_ratio_kvcmas_vs_cacheblend"] is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,7 +24,8 @@ import torch
 
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
-from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
+from agentcache.correction.matching import (calibrated_tau, gate_distances, gate_weights, interpolated_correction,
+                                            normalized_entropy)
 from agentcache.correction.selective import LayerProfile, layer_count, token_plan
 from agentcache.correction.store import Materialization, SegmentStore, common_prefix
 from agentcache.correction.strategies import Strategy
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
+GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
 
 
 @dataclass
@@ -70,6 +72,11 @@ class Corrector:
         self.store = SegmentStore(store_bytes)
         self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
         self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
+        self.tau = strategy.tau  # the gate's threshold; `calibrate` sets it for a target reuse ratio
+        # planned segments that had a source: (gate entropy, or None when the gate was not reached; tokens)
+        self.gate_log: deque[tuple[float | None, int]] = deque(maxlen=GATE_LOG)
+        self.calibrated: dict | None = None  # how tau was set, once calibrated
+        self.planned = 0  # segments ever logged in gate_log
         self.anchor_build_s = 0.0
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
@@ -89,7 +96,28 @@ class Corrector:
             self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
         decision.plan_s = time.perf_counter() - started
+        if decision.source is not None and self.strategy.correct:
+            self.gate_log.append((decision.entropy, len(token_ids)))
+            self.planned += 1
+            target = self.strategy.target_reuse
+            if target is not None and self.calibrated is None and len(self.gate_log) >= self.strategy.calibrate_after:
+                self.calibrate(target)
         return decision
+
+    def calibrate(self, target: float, recent: int | None = None) -> float:
+        """Set the gate's τ so that the share `target` of the eligible tokens planned lately (the
+        latest `recent` segments, or all that are kept) would have been reused (the paper tunes τ per
+        workload); returns τ. Needs gate evaluations."""
+        window = list(self.gate_log)[-recent:] if recent else list(self.gate_log)
+        gated = [(entropy, tokens) for entropy, tokens in window if entropy is not None]
+        eligible = sum(tokens for _, tokens in window)
+        self.tau = calibrated_tau(gated, eligible, target)
+        reachable = sum(tokens for _, tokens in gated) / eligible
+        self.calibrated = {"target_reuse": target, "tau": self.tau, "segments": len(window),
+                           "gated_share": reachable}
+        log.info("gate calibrated for reuse %.2f: tau = %.4f over %d segments (%.2f of the tokens reach the gate)",
+                 target, self.tau, len(window), reachable)
+        return self.tau
 
     def _plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
               source_agent: str | None) -> PHDecision:
@@ -219,8 +247,8 @@ class Corrector:
             if not bool(torch.isfinite(distances).all()):
                 self._drop_non_finite(pool_key, compatible)
                 return PHDecision("fallback", reason="nonfinite", source=source)
-            entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature))
-            if not entropy <= self.strategy.tau:
+            entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature, self.strategy.gate_scale))
+            if not entropy <= self.tau:
                 return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
         corrected = []
         for part in ("keys", "values"):

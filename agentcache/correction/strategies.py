@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from agentcache.correction.matching import GATE_SCALES
+
 __all__ = ["Strategy", "STRATEGIES", "get_strategy"]
 
 
@@ -42,7 +44,14 @@ class Strategy:
     delta_rank: int | None = 32
     max_anchors: int = 10  # V, per slot
     tau: float = 0.3  # accept a correction when the gate's normalized entropy is at most tau
-    temperature: float = 1.0  # T of the gate's softmax (the token-wise weights always use T = 1)
+    # T of the gate's softmax (the token-wise weights always use T = 1), relative to the nearest
+    # anchor's distance ("nearest": the same on every model) or on raw distances ("absolute", the paper's T = 1)
+    temperature: float = 0.1
+    gate_scale: str = "nearest"
+    # the reuse ratio to reach: once `calibrate_after` eligible segments have been planned, tau is set
+    # from their gate entropies (`Corrector.calibrate`); None keeps tau as given
+    target_reuse: float | None = None
+    calibrate_after: int = 16
     recompute: str | None = None  # "tokens" (CacheBlend) or "layers" (DroidSpeak): selective recomputation
     rho: float | None = None  # selective recomputation: the share of the shared KV reused (1 − ρ is rebuilt)
     probe_layer: int = 1  # CacheBlend: the layer whose KV deviation picks the tokens (0..it run for all)
@@ -59,6 +68,13 @@ class Strategy:
             raise ValueError(f"Strategy.tau is a normalized entropy threshold in [0, 1], got {self.tau!r}")
         if not self.temperature > 0:
             raise ValueError(f"Strategy.temperature must be positive, got {self.temperature!r}")
+        if self.gate_scale not in GATE_SCALES:
+            raise ValueError(f"Strategy.gate_scale must be one of {GATE_SCALES}, got {self.gate_scale!r}")
+        if self.target_reuse is not None and not (isinstance(self.target_reuse, (int, float))
+                                                  and 0.0 <= self.target_reuse <= 1.0):
+            raise ValueError(f"Strategy.target_reuse must be None or in [0, 1], got {self.target_reuse!r}")
+        if type(self.calibrate_after) is not int or self.calibrate_after < 1:
+            raise ValueError(f"Strategy.calibrate_after must be a positive int, got {self.calibrate_after!r}")
         if self.recompute not in (None, "tokens", "layers"):
             raise ValueError(f"Strategy.recompute must be None, 'tokens' (CacheBlend) or 'layers' (DroidSpeak), "
                              f"got {self.recompute!r}")
