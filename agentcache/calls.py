@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import torch
 
-from agentcache.correction.corrector import Corrector, PHDecision
+from agentcache.correction.corrector import Corrector, PHDecision, PreparedAnchor
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import (
     Engine,
@@ -34,7 +34,7 @@ from agentcache.isolation import Scope
 from agentcache.metrics import SegmentReport
 from agentcache.segments import AgentCall, Segment
 
-__all__ = ["CallPlan", "Settled", "plan_call", "settle_call", "tokenize_call"]
+__all__ = ["CallPlan", "Settled", "plan_call", "prepare_anchors", "settle_call", "tokenize_call"]
 
 
 @dataclass(frozen=True)
@@ -153,34 +153,62 @@ def plan_call(
                     MappingProxyType(decisions), request)
 
 
-def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult) -> Settled:
-    """Report how each call segment was materialized and record it with the corrector. A fault
-    while recording is counted and costs only what it touched; the call's result stands."""
+@dataclass(frozen=True)
+class _Served:
+    """A finished call's segments as the engine served them."""
+
+    kvs: list[SegmentKV | None]
+    hiddens: list[torch.Tensor | None]
+    decisions: dict[int, PHDecision]
+    reports: list[SegmentReport]
+
+    def shared(self, plan: CallPlan):
+        """(index, segment, tokens, decision, how, kv) of every PH segment."""
+        for index, (seg, tokens, report) in enumerate(zip(plan.segments, plan.token_lists, self.reports)):
+            if seg.kind != "ph":
+                continue
+            made = _made(report.length, report.cached_tokens, report.lineage_tokens)
+            decision = self.decisions.get(index) or PHDecision(made)
+            yield index, seg, tokens, decision, decision.decision if decision.reused else made, self.kvs[index]
+
+
+def _served(plan: CallPlan, result: ExecResult) -> _Served:
     outcomes: list[list[SegmentOutcome]] = [[] for _ in plan.segments]  # engine segments per call segment
     for piece, outcome in zip(plan.pieces, result.segments):
         outcomes[piece.index].append(outcome)
-    kvs = [_joined([o.kv for o in parts]) for parts in outcomes]
-    hiddens = [_joined_hidden([o.hidden for o in parts]) for parts in outcomes]
     decisions = _as_served(plan.decisions, outcomes)
-    reports = _reports(plan.segments, plan.token_lists, outcomes, decisions)
+    return _Served([_joined([o.kv for o in parts]) for parts in outcomes],
+                   [_joined_hidden([o.hidden for o in parts]) for parts in outcomes], decisions,
+                   _reports(plan.segments, plan.token_lists, outcomes, decisions))
+
+
+def prepare_anchors(corrector: Corrector, plan: CallPlan, result: ExecResult) -> dict[int, PreparedAnchor | None]:
+    """The anchors `settle_call` would insert, per PH segment, built without changing anything: the
+    runtime factorizes them with no lock held, so other calls' planning does not wait for it."""
+    served = _served(plan, result)
+    return {index: corrector.prepare_anchor(plan.call.agent, tokens, decision, kv, kv is not None and kv.exact)
+            for index, _, tokens, decision, _, kv in served.shared(plan)}
+
+
+def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult,
+                prepared: dict[int, PreparedAnchor | None] | None = None) -> Settled:
+    """Report how each call segment was materialized and record it with the corrector (with the
+    anchors `prepare_anchors` built, when given). A fault while recording is counted and costs only
+    what it touched; the call's result stands."""
+    served = _served(plan, result)
     agent = plan.call.agent
-    for index, (seg, tokens, report) in enumerate(zip(plan.segments, plan.token_lists, reports)):
-        if seg.kind != "ph":
-            continue
-        made = _made(report.length, report.cached_tokens, report.lineage_tokens)
-        decision = decisions.get(index) or PHDecision(made)
-        how = decision.decision if decision.reused else made
-        kv = kvs[index]  # anchors learn only from KV known exact for this prompt (its digest says so)
-        try:
+    for index, seg, tokens, decision, how, kv in served.shared(plan):
+        try:  # anchors learn only from KV known exact for this prompt (its digest says so)
             corrector.commit(plan.scope, agent, seg.slot, tokens, decision, kv, how,
-                             own_tokens_exact=kv is not None and kv.exact, hidden=hiddens[index])
+                             own_tokens_exact=kv is not None and kv.exact, hidden=served.hiddens[index],
+                             prepared=prepared.get(index) if prepared is not None else False)
         except Exception as exc:  # noqa: BLE001
             corrector.fault("commit_error", f"recording agent {agent!r}'s segment {seg.slot!r}", exc)
     try:
         corrector.record_output(plan.scope, agent, result.token_ids[:-1], result.generated_kv, result.generated_hidden)
     except Exception as exc:  # noqa: BLE001
         corrector.fault("commit_error", f"recording agent {agent!r}'s output", exc)
-    return Settled(reports, kvs)
+    return Settled(served.reports, served.kvs)
 
 
 def _reports(

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agentcache.calls import CallPlan, plan_call, settle_call
+from agentcache.calls import CallPlan, plan_call, prepare_anchors, settle_call
 from agentcache.correction.corrector import Corrector
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.cache_manager import servable_tokens
@@ -218,8 +218,10 @@ class Runtime:
                 locked = time.perf_counter() - started  # waiting for other calls' planning or commits
                 plan = self._plan(call, sampling, on_token)
             plan, result, first_token = self._execute(plan)  # no runtime lock: other calls plan, run, commit
+            with torch.inference_mode():  # factorizing new anchors is the slow part of a commit: no lock
+                prepared = self._prepare_anchors(plan, result)
             with self._lock, torch.inference_mode():
-                outcome = self._finish(plan, result, started, first_token, locked, event)
+                outcome = self._finish(plan, result, started, first_token, locked, event, prepared)
                 if event is not None:  # a failed call records no event
                     self._record_event(event)
                 if self.warmup_coordinator is not None:
@@ -402,13 +404,20 @@ class Runtime:
             result = self.engine.submit(dense.request).result()
             return dense, result, submitted + result.ttft_s
 
+    def _prepare_anchors(self, plan: CallPlan, result: ExecResult) -> dict | None:
+        """The call's new anchors, built with no lock held (None: build them at the commit instead)."""
+        try:
+            return prepare_anchors(self.corrector, plan, result)
+        except Exception:  # noqa: BLE001 - the commit builds them again and counts what fails there
+            return None
+
     def _finish(
         self, plan: CallPlan, result: ExecResult, started: float, first_token: float, locked: float,
-        event: DispatchEvent | None,
+        event: DispatchEvent | None, prepared: dict | None = None,
     ) -> CallResult:
         """Under the lock: record what the call's segments became, its output, and its figures."""
         call, agent = plan.call, plan.call.agent
-        settled = settle_call(self.corrector, plan, result)
+        settled = settle_call(self.corrector, plan, result, prepared)
         reports, kvs = settled.reports, settled.kvs
         try:
             self.sessions.record(plan.scope, agent, result.text, output_slot(agent), [

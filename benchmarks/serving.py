@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 
 from _report import emit  # benchmarks/, the script's own folder
+
 from agentcache.correction.strategies import STRATEGIES, Strategy
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
 from agentcache.engine.protocol import SamplingParams
@@ -52,7 +53,7 @@ from agentcache.errors import InputError
 from agentcache.metrics import CallResult, percentile
 from agentcache.models import DEFAULT_MODEL
 from agentcache.runtime import Runtime, RuntimeConfig
-from agentcache.segments import AgentCall, Segment, output_slot
+from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import check_model
 from agentcache.tasks import document_problem
 
@@ -81,11 +82,11 @@ def strategies(rho_delta: float, rho_selective: float) -> dict[str, Strategy]:
     return out
 
 
-def document_ids(runtime_engine, tokens: int, seed: int) -> str:
+def document_text(engine, tokens: int, seed: int) -> str:
     """A distinct staff directory cut to about `tokens` tokens (text: the adapters' path)."""
     people = max(4, tokens // 40)
-    ids = runtime_engine.tokenize(document_problem(seed, people=people).text)[:tokens]
-    return runtime_engine.detokenize(ids)
+    ids = engine.tokenize(document_problem(seed, people=people).text)[:tokens]
+    return engine.detokenize(ids)
 
 
 @dataclass
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
     serial = iter(range(10**9))
 
     def jobs(context: int, count: int) -> list[tuple[str, str]]:
-        return [(f"t{next(serial)}", document_ids(base, context, 1000 + next(serial))) for _ in range(count)]
+        return [(f"t{next(serial)}", document_text(base, context, 1000 + next(serial))) for _ in range(count)]
 
     report: dict = {"contexts": {}}
     for context in args.contexts:

@@ -423,3 +423,33 @@ def test_calibrating_without_gate_evaluations_is_a_clear_error():
         rt.calibrate_gate(0.8)
     with pytest.raises(InputError, match="no correction gate"):
         runtime("fullshared").calibrate_gate(0.8)
+
+
+def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up():
+    """It is on the first consumer's critical path: real priority and prefill chunks (a warm-up's
+    small chunks made it several times slower), but no agent dispatch and no hit in the statistics."""
+    engine = make_engine("tiny-llama", pool_blocks=512, warmup_chunk=8)
+    rt = Runtime(engine, strategy="kvcmas_nonchained", config=NO_CHECK)
+    seen, passes = [], []
+    submit, forward = engine.submit, engine.runner.forward
+    engine.submit = lambda request: seen.append(request) or submit(request)
+    engine.runner.forward = lambda cache, ids, start: passes.append(len(ids)) or forward(cache, ids, start)
+    rt.run(role_call("planner", text_of_length(engine, 60, seed=3)))
+    reference = [r for r in seen if r.owner == "<reference>"]
+    assert len(reference) == 1 and reference[0].internal and not reference[0].warmup
+    assert max(passes) > 8  # prefilled in the engine's prefill chunks, not the warm-up's
+    stats = engine.cache_stats()
+    assert stats.lookup_blocks == sum(len(r.token_ids) // engine.block_size for r in seen if r.owner != "<reference>")
+
+
+def test_new_anchors_are_factorized_with_no_runtime_lock_held():
+    """Factorizing is the slow part of a commit: concurrent calls must be able to plan meanwhile."""
+    rt = runtime("kvcmas", tau=0.0)  # the gate shut: every eligible segment falls back and teaches
+    held, prepare = [], rt.corrector.prepare_anchor
+    def spy(*args, **kwargs):
+        held.append(rt._lock._is_owned())
+        return prepare(*args, **kwargs)
+    rt.corrector.prepare_anchor = spy
+    warm(rt, rounds=2)
+    assert held and not any(held)
+    assert rt.corrector.bank.num_anchors > 0 and rt.summary()["anchor_build_s"] > 0

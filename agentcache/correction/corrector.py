@@ -34,7 +34,7 @@ from agentcache.engine.protocol import (Engine, ExecRequest, LayerRecompute, Sam
                                        TokenRecompute)
 from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["Corrector", "PHDecision", "REFERENCE", "NEUTRAL_LEAD_IN"]
+__all__ = ["Corrector", "PHDecision", "PreparedAnchor", "REFERENCE", "NEUTRAL_LEAD_IN"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,15 @@ REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
+
+
+@dataclass(frozen=True)
+class PreparedAnchor:
+    """An anchor built for a commit: `AnchorBank.add`'s arguments (less the pool key), or the error."""
+
+    args: tuple | None
+    seconds: float
+    error: BaseException | None = None
 
 
 @dataclass
@@ -216,7 +225,9 @@ class Corrector:
         lead = self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
         request = ExecRequest(
             [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
-            SamplingParams(max_tokens=1), owner=REFERENCE, warmup=True,  # internal: no agent dispatch, no hit
+            # on the first consumer's critical path: a real request's priority and chunks, but no
+            # agent dispatch and no hit in the statistics
+            SamplingParams(max_tokens=1), owner=REFERENCE, internal=True,
             cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
         )
         result = self.engine.execute(request)
@@ -277,24 +288,41 @@ class Corrector:
 
     # --- after the call --------------------------------------------------------------------
 
+    def prepare_anchor(self, agent: str, token_ids: Sequence[int], decision: PHDecision, kv: SegmentKV | None,
+                       own_tokens_exact: bool) -> "PreparedAnchor | None":
+        """The anchor a commit of this segment would insert, built without changing anything (so the
+        runtime can factorize outside its lock, off other calls' critical path); None when the
+        segment teaches nothing. A fault while building is returned, to be counted at the commit.
+        Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
+        when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks)."""
+        if not (kv is not None and self.strategy.reuse and self.strategy.correct and own_tokens_exact
+                and decision.decision == "fallback" and decision.source is not None):
+            return None
+        started = time.perf_counter()
+        try:
+            args = self._build_anchor(agent, decision.source, token_ids, kv)
+        except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
+            return PreparedAnchor(None, time.perf_counter() - started, exc)
+        return PreparedAnchor(args, time.perf_counter() - started)
+
     def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
                kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True,
-               hidden: torch.Tensor | None = None) -> None:
+               hidden: torch.Tensor | None = None, prepared: "PreparedAnchor | None | bool" = False) -> None:
         """Record what the segment became in the call (`how`), with its KV `kv`: the next edge's source
-        and, after a dense fallback, a new anchor. The anchor is built before anything is changed, so a
-        fault while building it loses only the anchor. `own_tokens_exact`: none of the segment's tokens
-        came from the lineage's approximate blocks."""
+        and, after a dense fallback, a new anchor (`prepared` by `prepare_anchor`, or built here when
+        False). A fault while building it loses only the anchor. `own_tokens_exact`: none of the
+        segment's tokens came from the lineage's approximate blocks."""
         if kv is None or not self.strategy.reuse:
             return
+        if prepared is False:
+            prepared = self.prepare_anchor(agent, token_ids, decision, kv, own_tokens_exact)
         anchor = None
-        # Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
-        # when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
-        if (decision.decision == "fallback" and decision.source is not None and self.strategy.correct
-                and own_tokens_exact):
-            try:
-                anchor = self._build_anchor(agent, decision.source, token_ids, kv)
-            except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
-                self.fault("anchor_build_error", f"no anchor from agent {agent!r}'s fallback on slot {slot!r}", exc)
+        if prepared is not None:
+            self.anchor_build_s += prepared.seconds
+            anchor = prepared.args
+            if prepared.error is not None:
+                self.fault("anchor_build_error", f"no anchor from agent {agent!r}'s fallback on slot {slot!r}",
+                           prepared.error)
         if decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
             self._observe_layers(scope, decision.source, token_ids, kv)
         for used in decision.anchors if decision.reused else ():
@@ -302,7 +330,9 @@ class Corrector:
         if self.strategy.chained:
             self.store.put(scope, slot, agent, token_ids, kv, how, hidden=hidden)
         if anchor is not None:
-            self.bank.add((scope.tenant, slot), *anchor)
+            held = self.bank.anchor((scope.tenant, slot), anchor[0])
+            if held is None or held.length == anchor[2].length:  # another call may have added one since
+                self.bank.add((scope.tenant, slot), *anchor)
 
     def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None,
                       hidden: torch.Tensor | None = None) -> None:
@@ -327,7 +357,6 @@ class Corrector:
                       dense: SegmentKV) -> tuple | None:
         """The arguments of `AnchorBank.add` for the correction this fallback observed (without the
         pool key), or None when there is nothing to learn. Changes nothing."""
-        started = time.perf_counter()
         shared = common_prefix(source.token_ids, token_ids)
         existing = self.bank.anchor((source.scope.tenant, source.slot), source.id)
         if shared == 0 or (existing is not None and existing.length != shared):
@@ -346,7 +375,6 @@ class Corrector:
         else:
             base_k, base_v = factorize(src_k, s.base_rank), factorize(src_v, s.base_rank)
         correction = Correction(factorize(delta_k, s.delta_rank), factorize(delta_v, s.delta_rank))
-        self.anchor_build_s += time.perf_counter() - started
         return source.id, source.agent, base_k, base_v, agent, correction
 
 

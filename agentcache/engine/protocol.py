@@ -160,8 +160,11 @@ class ExecRequest:
     cache_salt: str | None = None  # namespace of the exact blocks it reads and caches (a tenant's); None: shared
     owner: str | None = None  # who runs the call (an agent name): the eviction policy's dispatch event
     session: str | None = None  # the workflow run it belongs to, for agent-aware eviction
-    warmup: bool = False  # background work (a warm-up, an internal reference prefill): caches the
-    # prompt like any call, but is no agent dispatch and no lookup or hit in the pool's statistics
+    warmup: bool = False  # background work (a warm-up): caches the prompt like any call, but is no
+    # agent dispatch and no lookup or hit in the pool's statistics; runs after real requests, in small chunks
+    # the runtime's own work on a call's critical path (a context-free reference prefill): scheduled as a
+    # real request, but, like a warm-up, no agent dispatch and no lookup or hit in the pool's statistics
+    internal: bool = False
     capture_kv: bool = True  # hand back the KV of the segments that ask for it, and of the output
     priority: int = 0  # among waiting requests, lower runs first; warm-ups always come after real calls
     # hand back the hidden states entering this decoder layer for every segment the engine computed
@@ -192,6 +195,11 @@ class ExecRequest:
     @property
     def token_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.token_ids]
+
+    @property
+    def uncounted(self) -> bool:
+        """No agent dispatch, no lookup or hit in the statistics (a warm-up, or the runtime's own work)."""
+        return self.warmup or self.internal
 
 
 @dataclass(frozen=True)

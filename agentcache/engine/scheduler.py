@@ -161,7 +161,7 @@ class BatchScheduler:
                 break
             lookup += len(seg.token_ids)
         lease = engine.cache.admit(prompt, lookup, lineage=request.lineage, namespace=request.cache_salt,
-                                   owner=request.owner, session=request.session, warmup=request.warmup)
+                                   owner=request.owner, session=request.session, warmup=request.uncounted)
         try:
             cache = CallCache(engine.layout, len(prompt) + request.sampling.max_tokens, torch.device(engine.config.device))
             if lease.hit.blocks:

@@ -278,11 +278,11 @@ class VLLMCore:
         key = new_key()
         hooks = RequestHooks(inject=sorted(live.tails + list(call.inject), key=lambda run: run[0]),
                              approx_from=live.approx_from, lineage_key=live.lineage_key, owner=request.owner,
-                             session=request.session, warmup=request.warmup, visit=live.visit)
+                             session=request.session, warmup=request.uncounted, visit=live.visit)
         # The first phase may be served what its plan allows; a later one only what the phase
         # before it computed (the rest is claimed from the plan's KV, or computed).
         hooks.lookup_limit = live.lookup_limit if live.phase == 0 else live.previous_end
-        hooks.uncounted = live.phase > 0 or request.warmup
+        hooks.uncounted = live.phase > 0 or request.uncounted
         if final:
             start = 0
             for seg in request.segments:
