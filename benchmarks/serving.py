@@ -11,9 +11,9 @@ Load: NonShared's saturation throughput is measured first in the same run (`--sa
 trajectories dispatched at once; completed trajectories per second), and each load point offers a
 fraction of it (`--loads`), so a point means the same on any machine; the absolute request rate
 (4 requests per trajectory) is printed beside it. Each strategy keeps one runtime per context
-length: `--warmup` trajectories fill its anchor pools (and profile DroidSpeak's layers) and the
-delta-correction gates are calibrated on the second half of them for `--rho-delta`; selective
-recomputation runs at `--rho-selective`. Strategies take turns at every load point (the order
+length: `--warmup` trajectories fill its anchor pools (and profile DroidSpeak's layers); the
+delta-correction gates calibrate their τ for `--rho-delta` every 8 eligible segments, from the
+warm-up on; selective recomputation runs at `--rho-selective`. Strategies take turns at every load point (the order
 rotates), each in a tenant of its own, so none is served another's prefix-cache blocks.
 
 Per strategy, context and load: p50 and p90 TTFT (from entering the runtime to the first token,
@@ -75,7 +75,7 @@ def strategies(rho_delta: float, rho_selective: float) -> dict[str, Strategy]:
     for name in ORDER:
         s = STRATEGIES[name]
         if s.correct and s.reuse:
-            s = s.replace(target_reuse=rho_delta, calibrate_after=10**9)  # calibrated after the warm-up
+            s = s.replace(target_reuse=rho_delta, calibrate_after=8)  # τ set again every 8 eligible segments
         elif s.recompute is not None:
             s = s.replace(rho=rho_selective)
         out[name] = s
@@ -233,21 +233,13 @@ def run(args: argparse.Namespace) -> dict:
         warm = jobs(context, args.warmup)  # the same warm-up documents for every strategy
         unloaded: dict[str, float] = {}  # mean single-stream latency of the warm half of the warm-up
         for name, runner in runners.items():
-            half, spans = None, []
+            spans = []
             for k, job in enumerate(warm):
-                if k == len(warm) // 2:
-                    half = runner.runtime.corrector.planned
                 begun = time.perf_counter()
                 runner.one(*job)
                 if k >= len(warm) // 2:
                     spans.append(time.perf_counter() - begun)
             unloaded[name] = statistics.fmean(spans)
-            strategy = runner.runtime.strategy
-            if strategy.correct and strategy.reuse and strategy.target_reuse is not None:
-                try:
-                    runner.runtime.calibrate_gate(strategy.target_reuse, recent=runner.runtime.corrector.planned - half)
-                except InputError as exc:
-                    skipped.setdefault(f"{name}_calibration", str(exc))
         # NonShared's saturation throughput: trajectories dispatched at once
         saturation = summarize_point(runners["nonshared"].run(jobs(context, args.saturation), [0.0] * args.saturation),
                                      None)["achieved_trajectories_per_s"]

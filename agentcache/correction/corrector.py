@@ -108,9 +108,9 @@ class Corrector:
         if decision.source is not None and self.strategy.correct:
             self.gate_log.append((decision.entropy, len(token_ids)))
             self.planned += 1
-            target = self.strategy.target_reuse
-            if target is not None and self.calibrated is None and len(self.gate_log) >= self.strategy.calibrate_after:
-                self.calibrate(target)
+            target, every = self.strategy.target_reuse, self.strategy.calibrate_after
+            if target is not None and self.planned % every == 0 and any(e is not None for e, _ in self.gate_log):
+                self.calibrate(target)  # again every `calibrate_after` segments: the pools keep changing
         return decision
 
     def calibrate(self, target: float, recent: int | None = None) -> float:
