@@ -42,6 +42,9 @@ REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
+# segments a target reuse ratio is calibrated on: recent ones only, so the early segments that met
+# too few anchors (which stop once the pools fill) do not keep pushing τ up
+CALIBRATION_WINDOW = 48
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class Corrector:
             self.planned += 1
             target, every = self.strategy.target_reuse, self.strategy.calibrate_after
             if target is not None and self.planned % every == 0 and any(e is not None for e, _ in self.gate_log):
-                self.calibrate(target)  # again every `calibrate_after` segments: the pools keep changing
+                self.calibrate(target, CALIBRATION_WINDOW)  # again every `calibrate_after`: the pools keep changing
         return decision
 
     def calibrate(self, target: float, recent: int | None = None) -> float:
