@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from _report import emit  # benchmarks/, the script's own folder
+from _report import emit, fill_defaults  # benchmarks/, the script's own folder
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
              "expert_tokens": 4}
     full = {"prompt_tokens": 256, "gen_tokens": 64, "trials": 2, "problems": 4, "warmup": 3, "query_tokens": 128,
             "expert_tokens": 48}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     result = run(args)
     emit(result, args.out)
     return result

@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from _report import emit  # benchmarks/, the script's own folder
+from _report import emit, fill_defaults  # benchmarks/, the script's own folder
 
 from agentcache.correction.strategies import STRATEGIES, Strategy
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
@@ -348,9 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
                  saturation=3)
     full = dict(model=DEFAULT_MODEL, contexts=[1024, 2048, 4096], loads=[0.25, 0.5, 0.75, 1.0], output_tokens=32,
                 trajectories=6, warmup=6, saturation=4)
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     result = run(args)
     emit(result, args.out)
     return result
