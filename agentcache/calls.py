@@ -10,6 +10,7 @@ calls them under its lock, and the self-check drives them directly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -17,6 +18,7 @@ from types import MappingProxyType
 import torch
 
 from agentcache.correction.corrector import Corrector, PHDecision, PreparedAnchor
+from agentcache.correction.kvcomm import KVCommCorrector, header_lead_in
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import (
     Engine,
@@ -124,6 +126,10 @@ def plan_call(
     scope = Scope(call.tenant, call.session)
     segments, token_lists = tokenize_call(engine, call)
     prompt = [t for tokens in token_lists for t in tokens]
+    if isinstance(corrector, KVCommCorrector):
+        pieces, decisions = _kvcomm_pieces(engine, corrector, scope, agent, segments, token_lists, capture_all)
+        return _call_plan(corrector, call, scope, segments, token_lists, prompt, pieces, decisions, sampling,
+                          lineage, namespace, session, on_token)
     covered = engine.cached_prefix_length(prompt, lineage=lineage, cache_salt=namespace)  # a hint
 
     decisions: dict[int, PHDecision] = {}
@@ -147,10 +153,108 @@ def plan_call(
                 decisions[index] = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
         pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all or seg.kind == "ph")))
         pos = end
-    request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=agent,
+    return _call_plan(corrector, call, scope, segments, token_lists, prompt, pieces, decisions, sampling, lineage,
+                      namespace, session, on_token)
+
+
+def _call_plan(corrector: Corrector, call: AgentCall, scope: Scope, segments: list[Segment],
+               token_lists: list[list[int]], prompt: list[int], pieces: list[Piece], decisions: dict[int, PHDecision],
+               sampling: SamplingParams, lineage: str, namespace: str | None, session: str | None,
+               on_token: Callable[[int], None] | None) -> CallPlan:
+    request = ExecRequest([p.plan for p in pieces], sampling, lineage=lineage, cache_salt=namespace, owner=call.agent,
                           session=session, on_token=on_token, hidden_layer=corrector.hidden_layer(scope))
     return CallPlan(call, scope, tuple(segments), tuple(map(tuple, token_lists)), tuple(prompt), tuple(pieces),
                     MappingProxyType(decisions), request)
+
+
+def _glue_runs(segments: Sequence[Segment]) -> dict[int, list[int]]:
+    """Per PH segment, the PF segments after it up to the next PH segment: its template text."""
+    runs: dict[int, list[int]] = {}
+    owner = None
+    for index, seg in enumerate(segments):
+        if seg.kind == "ph":
+            owner = index
+            runs[index] = []
+        elif owner is not None:
+            runs[owner].append(index)
+    return runs
+
+
+def _template_shape(segments: Sequence[Segment], token_lists: Sequence[Sequence[int]]) -> list[tuple]:
+    return [("pf", tokens) if seg.kind == "pf" else ("ph", seg.slot) for seg, tokens in zip(segments, token_lists)]
+
+
+def _kvcomm_pieces(engine: Engine, corrector: KVCommCorrector, scope: Scope, agent: str, segments: list[Segment],
+                   token_lists: list[list[int]], capture_all: bool) -> tuple[list[Piece], dict[int, PHDecision]]:
+    """KVCOMM's call: when every shared segment is reused, everything after the first one is
+    injected (shared segments corrected, the template text between them taken from the agent's
+    template prefill and corrected) but the last token, which is prefilled; otherwise the whole
+    call is prefilled densely, and the shared segments that are anchors learn from it."""
+    starts = [0]
+    for tokens in token_lists:
+        starts.append(starts[-1] + len(tokens))
+    runs = _glue_runs(segments)
+    decisions: dict[int, PHDecision] = {}
+    for index in runs:
+        before = token_lists[index - 1] if index > 0 and segments[index - 1].kind == "pf" else ()
+        decisions[index] = corrector.plan(scope, agent, segments[index].slot, token_lists[index], segments[index].source,
+                                          start=starts[index], lead_in=header_lead_in(engine, before))
+    injected = _kvcomm_injection(corrector, scope, agent, segments, token_lists, starts, runs, decisions)
+    if injected is None:
+        for index, decision in list(decisions.items()):
+            if decision.reused or (decision.decision == "corrected"):
+                decisions[index] = PHDecision("fallback", reason="call_dense", source=decision.source,
+                                              entropy=decision.entropy, setup_s=decision.setup_s, plan_s=decision.plan_s)
+        learning = any(d.learn for d in decisions.values())
+        first = min(runs, default=len(segments))
+        pieces = [Piece(i, SegmentPlan(seg.name, tokens, Step.PREFIX,
+                                       capture=capture_all or seg.kind == "ph" or (learning and i > first)))
+                  for i, (seg, tokens) in enumerate(zip(segments, token_lists))]
+        return pieces, decisions
+    pieces = []
+    last = len(segments) - 1
+    for i, (seg, tokens) in enumerate(zip(segments, token_lists)):
+        kv = injected.get(i)
+        name = seg.slot if seg.kind == "ph" else seg.name
+        if kv is None:
+            pieces.append(Piece(i, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all)))
+            continue
+        keep = min(kv.length, len(tokens) - 1 if i == last else len(tokens))  # the call's last token is prefilled
+        if keep:
+            pieces.append(Piece(i, SegmentPlan(name, tokens[:keep], Step.INJECT, kv.slice(0, keep),
+                                               capture=capture_all or seg.kind == "ph")))
+        if keep < len(tokens):
+            pieces.append(Piece(i, SegmentPlan(name, tokens[keep:], Step.PREFIX, capture=capture_all or seg.kind == "ph")))
+        if seg.kind == "pf":
+            decisions[i] = PHDecision("corrected", covered=len(tokens), inject=kv)
+    return pieces, decisions
+
+
+def _kvcomm_injection(corrector: KVCommCorrector, scope: Scope, agent: str, segments: list[Segment],
+                      token_lists: list[list[int]], starts: list[int], runs: dict[int, list[int]],
+                      decisions: dict[int, PHDecision]) -> dict[int, SegmentKV] | None:
+    """The KV to inject per segment from the first shared one on, or None when the call runs densely.
+    Template text that no anchor has seen corrected (it changes from call to call) is prefilled."""
+    if not runs or not all(d.decision == "corrected" and d.covered > 0 for d in decisions.values()):
+        return None
+    injected: dict[int, SegmentKV] = {index: decisions[index].inject for index in runs}
+    glued = {index: [t for j in run for t in token_lists[j]] for index, run in runs.items()
+             if run and corrector.glue_known(agent, decisions[index], [t for j in run for t in token_lists[j]])}
+    if not glued:
+        return injected
+    started = time.perf_counter()
+    template = corrector.template(scope, agent, _template_shape(segments, token_lists))
+    decisions[min(runs)].setup_s += time.perf_counter() - started  # KVCOMM makes templates before the workflow
+    for index, tokens in glued.items():
+        run = runs[index]
+        glue = corrector.glue_kv(agent, decisions[index], tokens, _joined([template[j] for j in run]), starts[run[0]])
+        if glue is None:
+            continue
+        offset = 0
+        for j in run:
+            injected[j] = glue.slice(offset, offset + len(token_lists[j]))
+            offset += len(token_lists[j])
+    return injected
 
 
 @dataclass(frozen=True)
@@ -186,8 +290,30 @@ def prepare_anchors(corrector: Corrector, plan: CallPlan, result: ExecResult) ->
     """The anchors `settle_call` would insert, per PH segment, built without changing anything: the
     runtime factorizes them with no lock held, so other calls' planning does not wait for it."""
     served = _served(plan, result)
-    return {index: corrector.prepare_anchor(plan.call.agent, tokens, decision, kv, kv is not None and kv.exact)
+    glue = _kvcomm_glue(corrector, plan, served) if isinstance(corrector, KVCommCorrector) else {}
+    return {index: corrector.prepare_anchor(plan.call.agent, tokens, decision, kv, kv is not None and kv.exact,
+                                            glue=glue.get(index))
             for index, _, tokens, decision, _, kv in served.shared(plan)}
+
+
+def _kvcomm_glue(corrector: KVCommCorrector, plan: CallPlan, served: "_Served") -> dict[int, tuple]:
+    """Per anchor segment the call learns from: its template text's tokens, dense KV and template KV."""
+    learning = [i for i, d in served.decisions.items() if d.learn]
+    if not learning:
+        return {}
+    runs = _glue_runs(plan.segments)
+    template = None
+    glue = {}
+    for index in learning:
+        run = runs.get(index, [])
+        if not run:
+            glue[index] = ((), None, None)
+            continue
+        if template is None:
+            template = corrector.template(plan.scope, plan.call.agent, _template_shape(plan.segments, plan.token_lists))
+        glue[index] = (tuple(t for j in run for t in plan.token_lists[j]), _joined([served.kvs[j] for j in run]),
+                       _joined([template[j] for j in run]))
+    return glue
 
 
 def settle_call(corrector: Corrector, plan: CallPlan, result: ExecResult,
@@ -233,7 +359,8 @@ def _reports(
             injected_tokens=sum(o.injected_tokens for o in parts),
             entropy=decision.entropy if decision else None,
             source=decision.source.agent if decision and decision.source else None,
-            plan_s=decision.plan_s if decision else 0.0, lineage_tokens=lineage,
+            plan_s=decision.plan_s if decision else 0.0, setup_s=decision.setup_s if decision else 0.0,
+            lineage_tokens=lineage,
             recomputed_tokens=sum(o.recomputed_tokens for o in parts),
             prefill_tokens=sum(o.prefill_tokens for o in parts),
         ))

@@ -40,6 +40,9 @@ class SegmentReport:
     entropy: float | None = None
     source: str | None = None  # the agent whose cache was the source (corrected/reused/fallback)
     plan_s: float = 0.0  # looking up, gating and correcting it (inside TTFT)
+    # inside the call's TTFT: reference and template prefills and the gate, which KVCOMM's own TTFT
+    # leaves out (it makes them before the consumer's call)
+    setup_s: float = 0.0
     lineage_tokens: int = 0  # of cached_tokens, served by the caller's own approximate lineage blocks
     recomputed_tokens: float = 0.0  # of injected_tokens, tokens' worth rebuilt by selective recomputation
     prefill_tokens: float = 0.0  # prefill work in full-forward tokens: computed, recomputed, probed

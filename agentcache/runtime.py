@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from agentcache.calls import CallPlan, plan_call, prepare_anchors, settle_call
-from agentcache.correction.corrector import Corrector
+from agentcache.correction import make_corrector
 from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 from agentcache.engine.cache_manager import servable_tokens
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
@@ -123,7 +123,7 @@ class Runtime:
         self.check = check
         self.refusal: str | None = None  # why a requested correcting strategy was refused
         self.strategy = self._vet(self.requested_strategy)
-        self.corrector = Corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
+        self.corrector = make_corrector(engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
         self.figures = Figures()
         self._results: deque[CallResult] = deque(maxlen=self.config.keep_calls)
         self._events: deque[DispatchEvent] = deque(maxlen=self.config.keep_calls)

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 
+from agentcache.correction.kvcomm import header_lead_in
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine import SamplingParams
 from agentcache.engine.tokens import LiteralTokenizer
@@ -114,14 +115,18 @@ def test_anchors_exact_blocks_and_approximate_blocks_stay_in_their_tenant():
     assert again.cached_tokens > 0 and again.lineage_tokens == 0  # t2's exact prefix serves t2's other sessions
 
 
-def test_a_reference_prefill_caches_in_its_tenant_namespace():
+@pytest.mark.parametrize("strategy", ["kvcomm_canonical", "kvcomm"])
+def test_a_reference_prefill_caches_in_its_tenant_namespace(strategy):
     """KVComm-style (non-chained) strategies prefill a context-free reference of the query; its blocks
     are exact but hold the tenant's text, so they stay in the tenant's namespace."""
-    rt = runtime("kvcomm")
+    rt = runtime(strategy)
     query = text_of_length(rt.engine, 60, seed=11)
     rt.run(call("p", query, session="s", tenant="acme"), ONE)
     engine = rt.engine
-    probe = engine.tokenize("\n", bos=True) + engine.tokenize(query)  # what the reference prefill cached
+    # what the reference prefill cached: after BOS and a newline, or (KVCOMM) the line before the query
+    lead = (header_lead_in(engine, engine.tokenize(ROLE["p"], bos=True)) if strategy == "kvcomm"
+            else engine.tokenize("\n", bos=True))
+    probe = lead + engine.tokenize(query)
     assert engine.cached_prefix_length(probe, cache_salt=tenant_salt("acme")) > 0
     assert engine.cached_prefix_length(probe) == 0  # nothing of acme's text in the shared namespace
 

@@ -171,6 +171,9 @@ def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
         assert decisions.get("recomputed", 0) >= 2
     elif STRATEGIES[name].chained:
         assert decisions.get("first") == 3 and decisions.get("corrected", 0) >= 2
+    elif STRATEGIES[name].kvcomm_procedure:  # three new queries: each becomes an anchor (< 2 anchors cover it)
+        assert decisions == {"fallback": 9} and set(figures["fallback_reasons"]) <= {"few_anchors", "call_dense"}
+        assert len(rt.corrector.verdicts) == 3 and all(v.anchor for v in rt.corrector.verdicts.values())
     else:  # non-chained corrects the first agent too, from a context-free reference
         assert "first" not in decisions and decisions.get("corrected", 0) >= 2
         assert any(e.agent == "<reference>" for e in rt.corrector.store)

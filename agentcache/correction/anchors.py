@@ -26,12 +26,20 @@ OLDEST_WINDOW = 5  # eviction looks at this many oldest anchors and drops the le
 class Correction:
     """Observed correction for one consumer, layers 1.. (layer 0 is exact after alignment)."""
 
-    keys: Factors  # (L-1, T, F) canonical positions
+    keys: Factors  # (L-1, T, F) canonical positions (KVCOMM's procedure: where it was observed)
     values: Factors
+    # KVCOMM's procedure: the correction of the template text after the segment, for these tokens
+    glue_tokens: tuple[int, ...] = ()
+    glue_keys: Factors | None = None  # (L-1, G, F)
+    glue_values: Factors | None = None
+
+    @property
+    def glue(self) -> list[Factors]:
+        return [f for f in (self.glue_keys, self.glue_values) if f is not None]
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + sum(f.nbytes for f in self.glue)
 
 
 @dataclass
@@ -56,15 +64,18 @@ class Anchor:
 
     @property
     def nbytes(self) -> int:
-        return sum(part.nbytes for part, _ in self._parts())
+        return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.corrections.values())
 
     def fits(self, num_layers: int, features: int) -> bool:
         """Shapes agree with the model and with each other (cheap: checked on every use)."""
-        return all(part.has_shape(num_layers - skip, self.length, features) for part, skip in self._parts())
+        glue = [(f, len(c.glue_tokens)) for c in self.corrections.values() for f in c.glue]
+        return (all(part.has_shape(num_layers - skip, self.length, features) for part, skip in self._parts())
+                and all(f.has_shape(num_layers - 1, tokens, features) for f, tokens in glue))
 
     def is_finite(self) -> bool:
         """Every stored number is finite (checked when a correction comes out non-finite)."""
-        return all(part.is_finite() for part, _ in self._parts())
+        glue = [f for c in self.corrections.values() for f in c.glue]
+        return all(part.is_finite() for part, _ in self._parts()) and all(f.is_finite() for f in glue)
 
 
 class AnchorPool:

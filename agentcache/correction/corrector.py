@@ -70,6 +70,10 @@ class PHDecision:
     anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
     plan_s: float = 0.0  # time spent planning (inside TTFT)
     recompute: TokenRecompute | LayerRecompute | None = None  # what the engine rebuilds of `inject`
+    # KVCOMM's procedure (`correction.kvcomm`): how the template text after the segment is corrected
+    glue: object | None = field(default=None, repr=False)
+    learn: bool = False  # KVCOMM: the segment is an anchor; this consumer's dense prefill adds its correction
+    setup_s: float = 0.0  # of plan_s: the reference prefill and the gate (KVCOMM leaves them out of TTFT)
 
     @property
     def reused(self) -> bool:
@@ -90,6 +94,7 @@ class Corrector:
         self.calibrated: dict | None = None  # how tau was set, once calibrated
         self.planned = 0  # segments ever logged in gate_log
         self.anchor_build_s = 0.0
+        self.reference_s = 0.0  # context-free reference prefills (non-chained), on consumers' critical paths
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
         """Count and log one fault (`kind` is what summary()["faults"] reports)."""
@@ -99,15 +104,18 @@ class Corrector:
     # --- before the call -------------------------------------------------------------------
 
     def plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
-             source: str | None = None) -> PHDecision:
-        """How `agent` should materialize this PH segment; `source` pins the edge's source agent."""
-        started = time.perf_counter()
+             source: str | None = None, *, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
+        """How `agent` should materialize this PH segment; `source` pins the edge's source agent.
+        `start`: where the segment sits in the call; `lead_in`: tokens (BOS first) a context-free
+        reference prefill puts before the segment (default: BOS and a neutral newline)."""
+        started, references_before = time.perf_counter(), self.reference_s
         try:
-            decision = self._plan(scope, agent, slot, token_ids, source)
+            decision = self._plan(scope, agent, slot, token_ids, source, start, lead_in)
         except Exception as exc:  # noqa: BLE001 - never serve a cache a fault touched: prefill
             self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
         decision.plan_s = time.perf_counter() - started
+        decision.setup_s += self.reference_s - references_before
         if decision.source is not None and self.strategy.correct:
             self.gate_log.append((decision.entropy, len(token_ids)))
             self.planned += 1
@@ -132,10 +140,10 @@ class Corrector:
         return self.tau
 
     def _plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
-              source_agent: str | None) -> PHDecision:
+              source_agent: str | None, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
         if not self.strategy.reuse:
             return PHDecision("off")
-        found = self._source(scope, slot, token_ids, source_agent)
+        found = self._source(scope, slot, token_ids, source_agent, lead_in)
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
@@ -153,7 +161,7 @@ class Corrector:
         if not self.strategy.correct:
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
         try:
-            return self._correct(scope, agent, slot, source, aligned)
+            return self._correct(scope, agent, slot, source, aligned, start)
         except Exception:
             # Not knowing which part was bad, use none of what the fault touched again: the source and
             # the anchors of this edge (they are learned anew from the next fallbacks).
@@ -212,20 +220,23 @@ class Corrector:
         return sound
 
     def _source(self, scope: Scope, slot: str, token_ids: Sequence[int],
-                agent: str | None) -> tuple[Materialization, int] | None:
+                agent: str | None, lead_in: Sequence[int] | None = None) -> tuple[Materialization, int] | None:
         if self.strategy.chained:
             return self.store.find(scope, slot, token_ids, agent=agent)
         if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
             return self.store.find(scope, slot, token_ids, agent=slot[4:])
         found = self.store.find(scope, slot, token_ids, agent=REFERENCE)
         if found is None or found[1] < len(token_ids):
-            entry = self._reference_prefill(scope, slot, token_ids)
+            entry = self._reference_prefill(scope, slot, token_ids, lead_in)
             found = (entry, len(token_ids)) if entry is not None else found
         return found
 
-    def _reference_prefill(self, scope: Scope, slot: str, token_ids: Sequence[int]) -> Materialization | None:
-        """Prefill the segment after BOS and a neutral lead-in, outside the workflow (non-chained)."""
-        lead = self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
+    def _reference_prefill(self, scope: Scope, slot: str, token_ids: Sequence[int],
+                           lead_in: Sequence[int] | None = None) -> Materialization | None:
+        """Prefill the segment after `lead_in` (BOS and a neutral newline by default), outside the
+        workflow (non-chained)."""
+        started = time.perf_counter()
+        lead = list(lead_in) if lead_in else self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
         request = ExecRequest(
             [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
             # on the first consumer's critical path: a real request's priority and chunks, but no
@@ -234,9 +245,11 @@ class Corrector:
             cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
         )
         result = self.engine.execute(request)
+        self.reference_s += time.perf_counter() - started
         return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
 
-    def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV) -> PHDecision:
+    def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV,
+                 start: int = 0) -> PHDecision:
         layout = self.engine.layout
         features = layout.num_kv_heads * layout.head_dim
         pool_key = (scope.tenant, slot)
@@ -292,12 +305,13 @@ class Corrector:
     # --- after the call --------------------------------------------------------------------
 
     def prepare_anchor(self, agent: str, token_ids: Sequence[int], decision: PHDecision, kv: SegmentKV | None,
-                       own_tokens_exact: bool) -> "PreparedAnchor | None":
+                       own_tokens_exact: bool, glue: tuple | None = None) -> "PreparedAnchor | None":
         """The anchor a commit of this segment would insert, built without changing anything (so the
         runtime can factorize outside its lock, off other calls' critical path); None when the
         segment teaches nothing. A fault while building is returned, to be counted at the commit.
         Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
-        when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks)."""
+        when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
+        `glue` is for KVCOMM's procedure (`KVCommCorrector`)."""
         if not (kv is not None and self.strategy.reuse and self.strategy.correct and own_tokens_exact
                 and decision.decision == "fallback" and decision.source is not None):
             return None
@@ -328,14 +342,18 @@ class Corrector:
                            prepared.error)
         if decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
             self._observe_layers(scope, decision.source, token_ids, kv)
-        for used in decision.anchors if decision.reused else ():
-            used.uses += 1
+        self._credit_uses(decision)
         if self.strategy.chained:
             self.store.put(scope, slot, agent, token_ids, kv, how, hidden=hidden)
         if anchor is not None:
             held = self.bank.anchor((scope.tenant, slot), anchor[0])
             if held is None or held.length == anchor[2].length:  # another call may have added one since
                 self.bank.add((scope.tenant, slot), *anchor)
+
+    def _credit_uses(self, decision: PHDecision) -> None:
+        """A reused segment credits every anchor its correction used."""
+        for used in decision.anchors if decision.reused else ():
+            used.uses += 1
 
     def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None,
                       hidden: torch.Tensor | None = None) -> None:

@@ -6,7 +6,8 @@ Every strategy runs through the same corrector; they differ only in these switch
 | ------------------ | ----- | ------- | ------- | --------------- | ------- |
 | nonshared          | no    | -       | -       | -               | -       |
 | fullshared         | yes   | no      | yes     | -               | -       |
-| kvcomm             | yes   | yes     | no      | full            | 20      |
+| kvcomm             | yes   | yes     | no      | full            | 20 (+1) |
+| kvcomm_canonical   | yes   | yes     | no      | full            | 20      |
 | kvcmas             | yes   | yes     | yes     | 32, 32          | 10      |
 | kvcmas_nonchained  | yes   | yes     | no      | 32, 32          | 10      |
 | kvcmas_fullrank    | yes   | yes     | yes     | full            | 10      |
@@ -17,6 +18,14 @@ CacheBlend and DroidSpeak are selective recomputation: they reuse the aligned so
 a fixed share 1 − ρ of it under the consumer's own context, CacheBlend the tokens whose KV at an
 early layer deviates most, DroidSpeak a group of layers found by profiling the first transitions
 (see `correction.selective`). They need an engine with `supports_recompute` (the embedded one).
+
+`kvcomm` follows KVCOMM's reference procedure (`correction.kvcomm`): one gate per shared segment
+when it is first needed (T = 1 on raw distances, τ = 0.3), whose rejection makes the segment an
+anchor that every consumer prefills densely once; anchors stored at the positions they were
+observed at; the template text after each shared segment reused from the agent's template
+prefill and corrected too, so a reused call prefills only its last token. `kvcomm_canonical` is
+agentcache's earlier construction of the same idea: a gate per consumer and segment, anchors at
+canonical positions, the text between shared segments prefilled densely.
 
 Chained: an edge's source is the latest materialization of the segment along the workflow,
 and the first agent prefills densely (exact). Non-chained: the source is a context-free
@@ -56,6 +65,7 @@ class Strategy:
     rho: float | None = None  # selective recomputation: the share of the shared KV reused (1 − ρ is rebuilt)
     probe_layer: int = 1  # CacheBlend: the layer whose KV deviation picks the tokens (0..it run for all)
     profile_transitions: int = 2  # DroidSpeak: dense transitions profiled before its layer group is fixed
+    kvcomm_procedure: bool = False  # KVCOMM's reference procedure (see `correction.kvcomm`)
 
     def __post_init__(self) -> None:
         for name in ("base_rank", "delta_rank"):
@@ -88,6 +98,8 @@ class Strategy:
             raise ValueError(f"Strategy.probe_layer must be an int >= 1 (layer 0 is exact), got {self.probe_layer!r}")
         if type(self.profile_transitions) is not int or self.profile_transitions < 1:
             raise ValueError(f"Strategy.profile_transitions must be a positive int, got {self.profile_transitions!r}")
+        if self.kvcomm_procedure and (self.chained or not self.correct or self.recompute is not None):
+            raise ValueError("KVCOMM's procedure corrects from non-chained sources (chained=False, correct=True)")
 
     def replace(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
@@ -98,7 +110,10 @@ STRATEGIES: dict[str, Strategy] = {
     for s in (
         Strategy("nonshared", reuse=False),
         Strategy("fullshared", correct=False),
-        Strategy("kvcomm", chained=False, base_rank=None, delta_rank=None, max_anchors=20),
+        # KVCOMM evicts only once a pool holds more than 20 anchors, so its pools reach 21
+        Strategy("kvcomm", chained=False, base_rank=None, delta_rank=None, max_anchors=21, temperature=1.0,
+                 gate_scale="absolute", kvcomm_procedure=True),
+        Strategy("kvcomm_canonical", chained=False, base_rank=None, delta_rank=None, max_anchors=20),
         Strategy("kvcmas"),
         Strategy("kvcmas_nonchained", chained=False),
         Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None),
