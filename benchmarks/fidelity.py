@@ -44,7 +44,7 @@ from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.selfcheck import check_model
 from agentcache.tasks import FourAgentWorkflow, arithmetic_problem, fact_problem
 
-ORDER = ["nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"]
+ORDER = ["nonshared", "fullshared", "kvcomm", "kvcomm_canonical", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"]
 # the paper's pairing at matched reuse (§4.2): selective recomputation at ρ = 0.9 and 0.8 beside
 # delta correction with its gate calibrated for ρ = 0.8 and 0.6 (from the warm-up on, every few segments)
 CALIBRATE_EVERY = 4

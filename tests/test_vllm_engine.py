@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tests.test_kvcomm as kvcomm_tests
 import tests.test_runtime as runtime_tests
 from agentcache.engine import EmbeddedEngine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
 from tests.conftest import TINY_PRESETS, make_engine, require_vllm, text_of_length
@@ -60,6 +61,21 @@ RUNTIME_TESTS = [
 def test_runtime_behaves_the_same_on_vllm(on_vllm, name):
     built = on_vllm(runtime_tests)
     getattr(runtime_tests, name)()
+    assert built and all(type(engine).__name__ == "VLLMEngine" for engine in built)
+
+
+KVCOMM_TESTS = [
+    "test_the_gate_runs_once_per_segment_and_every_consumer_follows_it",
+    "test_a_reused_call_prefills_only_its_last_token_the_template_text_corrected",
+    "test_template_text_no_anchor_saw_is_prefilled_and_the_segment_still_reused",
+]
+
+
+@pytest.mark.parametrize("name", KVCOMM_TESTS)
+def test_kvcomm_procedure_runs_on_vllm(on_vllm, monkeypatch, name):
+    built = on_vllm(kvcomm_tests)
+    test = getattr(kvcomm_tests, name)
+    test(*[monkeypatch] * test.__code__.co_argcount)
     assert built and all(type(engine).__name__ == "VLLMEngine" for engine in built)
 
 
