@@ -13,12 +13,14 @@ fraction of it (`--loads`), so a point means the same on any machine; the absolu
 (4 requests per trajectory) is printed beside it. Each strategy keeps one runtime per context
 length: `--warmup` trajectories fill its anchor pools (and profile DroidSpeak's layers); the
 delta-correction gates calibrate their τ for `--rho-delta` every 8 eligible segments, from the
-warm-up on; selective recomputation runs at `--rho-selective`. Strategies take turns at every load point (the order
+warm-up on (`kvcomm` keeps KVCOMM's own gate, τ = 0.3 on raw distances); selective recomputation
+runs at `--rho-selective`. Strategies take turns at every load point (the order
 rotates), each in a tenant of its own, so none is served another's prefix-cache blocks.
 
 Per strategy, context and load: p50 and p90 TTFT (from entering the runtime to the first token,
 queueing included), mean request and trajectory latency, the peak bytes of anchors and of source
-caches, the reuse ratio in tokens and in agent calls (KVComm's count), the achieved throughput,
+caches, the reuse ratio in tokens and in agent calls (KVCOMM's count), p50 TTFT less the
+reference and template prefills and the gate (as KVCOMM times its own), the achieved throughput,
 and whether the point was sustained (mean trajectory latency at most 3x the strategy's own
 single-stream latency on the warm trajectories of its warm-up: its queue did not run away).
 
@@ -74,7 +76,9 @@ def strategies(rho_delta: float, rho_selective: float) -> dict[str, Strategy]:
     out = {}
     for name in ORDER:
         s = STRATEGIES[name]
-        if s.correct and s.reuse:
+        if s.kvcomm_procedure:
+            pass  # KVCOMM as its authors run it: τ = 0.3 on raw distances, no calibration
+        elif s.correct and s.reuse:
             s = s.replace(target_reuse=rho_delta, calibrate_after=8)  # τ set again every 8 eligible segments
         elif s.recompute is not None:
             s = s.replace(rho=rho_selective)

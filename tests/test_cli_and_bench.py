@@ -285,6 +285,7 @@ def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
             assert row["ttft_p50_s"] <= row["ttft_p90_s"]
         rows = point["strategies"]
         assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.9
-        assert rows["kvcomm"]["peak_anchor_bytes"] > rows["kvcmas"]["peak_anchor_bytes"] > 0  # full rank vs low rank
+        # anchors grow only where the gates refuse (kvcomm's keeps KVCOMM's own τ): both pools hold some
+        assert rows["kvcomm"]["peak_anchor_bytes"] > 0 and rows["kvcmas"]["peak_anchor_bytes"] > 0
         assert rows["nonshared"]["peak_anchor_bytes"] == 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"

@@ -24,8 +24,9 @@ when it is first needed (T = 1 on raw distances, τ = 0.3), whose rejection make
 anchor that every consumer prefills densely once; anchors stored at the positions they were
 observed at; the template text after each shared segment reused from the agent's template
 prefill and corrected too, so a reused call prefills only its last token. `kvcomm_canonical` is
-agentcache's earlier construction of the same idea: a gate per consumer and segment, anchors at
-canonical positions, the text between shared segments prefilled densely.
+agentcache's earlier construction of the same idea, with the same gate setting: a gate per
+consumer and segment, anchors at canonical positions, the text between shared segments prefilled
+densely.
 
 Chained: an edge's source is the latest materialization of the segment along the workflow,
 and the first agent prefills densely (exact). Non-chained: the source is a context-free
@@ -113,7 +114,8 @@ STRATEGIES: dict[str, Strategy] = {
         # KVCOMM evicts only once a pool holds more than 20 anchors, so its pools reach 21
         Strategy("kvcomm", chained=False, base_rank=None, delta_rank=None, max_anchors=21, temperature=1.0,
                  gate_scale="absolute", kvcomm_procedure=True),
-        Strategy("kvcomm_canonical", chained=False, base_rank=None, delta_rank=None, max_anchors=20),
+        Strategy("kvcomm_canonical", chained=False, base_rank=None, delta_rank=None, max_anchors=20, temperature=1.0,
+                 gate_scale="absolute"),
         Strategy("kvcmas"),
         Strategy("kvcmas_nonchained", chained=False),
         Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None),
