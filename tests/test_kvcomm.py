@@ -208,7 +208,8 @@ def test_the_reference_prefill_leads_with_the_prompts_own_line_before_the_segmen
     engine = rt.engine
     preceding = engine.tokenize(SYSTEMS["critic"], bos=True)
     lead = kvcomm.header_lead_in(engine, preceding)
-    assert lead == [engine.bos_token_id] + engine.tokenize("Question:")
+    assert lead == [engine.bos_token_id] + engine.tokenize("Question:")[-kvcomm.HEADER_TOKENS:]
+    assert len(lead) == 1 + min(kvcomm.HEADER_TOKENS, len(engine.tokenize("Question:")))
     query = text_of_length(engine, 20, seed=3)
     rt.run(call("critic", query), ONE)
     reference = next(v for v in rt.corrector.store if v.agent == "<reference>")

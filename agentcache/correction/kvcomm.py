@@ -22,8 +22,9 @@ What it does differently from `Corrector` (KVCOMM's `kvcomm_engine.py` and `gpt_
 - Only anchors covering the whole segment qualify. An anchor's use is credited when the gate
   passes a segment, to the anchors before the cumulative gate weight reaches 0.9 (all of them
   when the first alone reaches it, as the reference code does).
-- A reference (context-free) prefill puts the line before the segment in the consumer's prompt
-  in front of it (after BOS), as KVCOMM puts the chat template's user-turn header.
+- A reference (context-free) prefill puts the end of the line before the segment in the
+  consumer's prompt (at most 8 tokens) in front of it, after BOS, as KVCOMM puts the chat
+  template's user-turn header.
 
 Every fault falls back to dense prefill, as in `Corrector`.
 """
@@ -51,7 +52,7 @@ __all__ = ["KVCommCorrector", "GlueWeights", "Verdict", "token_weights", "channe
            "header_lead_in", "TOP_P"]
 
 TOP_P = 0.9  # a passed gate credits the anchors holding this share of its weight
-HEADER_TOKENS = 32  # at most this many tokens of the line before a segment lead its reference prefill
+HEADER_TOKENS = 8  # at most this many tokens of the line before a segment (a user-turn header's size) lead its reference prefill
 VERDICTS_KEPT = 4096  # gate verdicts remembered (one per source cache)
 TEMPLATES_KEPT = 256  # agents' template prefills remembered
 
@@ -108,7 +109,7 @@ def credited(weights: torch.Tensor, top_p: float = TOP_P) -> list[int]:
 
 
 def header_lead_in(engine, preceding: Sequence[int]) -> list[int]:
-    """BOS and the last line of the text before a segment (at most HEADER_TOKENS tokens): the
+    """BOS and the end of the last line before a segment (at most HEADER_TOKENS tokens): the
     reference prefill's lead-in, mimicking what precedes the segment in a real prompt."""
     text = engine.detokenize(list(preceding)) if preceding else ""
     body = text.rstrip("\n")
