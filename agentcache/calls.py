@@ -188,8 +188,9 @@ def _kvcomm_pieces(engine: Engine, corrector: KVCommCorrector, scope: Scope, age
                    token_lists: list[list[int]], capture_all: bool) -> tuple[list[Piece], dict[int, PHDecision]]:
     """KVCOMM's call: when every shared segment is reused, everything after the first one is
     injected (shared segments corrected, the template text between them taken from the agent's
-    template prefill and corrected) but the last token, which is prefilled; otherwise the whole
-    call is prefilled densely, and the shared segments that are anchors learn from it."""
+    template prefill and corrected) but the last token, which is prefilled, and what no anchor
+    covers (a segment's tail past its source, template text no anchor has seen); otherwise the
+    whole call is prefilled densely, and the shared segments that are anchors learn from it."""
     starts = [0]
     for tokens in token_lists:
         starts.append(starts[-1] + len(tokens))
