@@ -73,7 +73,7 @@ class PHDecision:
     # KVCOMM's procedure (`correction.kvcomm`): how the template text after the segment is corrected
     glue: object | None = field(default=None, repr=False)
     learn: bool = False  # KVCOMM: the segment is an anchor; this consumer's dense prefill adds its correction
-    setup_s: float = 0.0  # of plan_s: the reference prefill and the gate (KVCOMM leaves them out of TTFT)
+    setup_s: float = 0.0  # inside TTFT: reference and template prefills and the gate (KVCOMM leaves them out)
 
     @property
     def reused(self) -> bool:
