@@ -180,6 +180,11 @@ def _glue_runs(segments: Sequence[Segment]) -> dict[int, list[int]]:
     return runs
 
 
+def _run_tokens(run: Sequence[int], token_lists: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens of the segments `run`, in order."""
+    return [t for j in run for t in token_lists[j]]
+
+
 def _template_shape(segments: Sequence[Segment], token_lists: Sequence[Sequence[int]]) -> list[tuple]:
     return [("pf", tokens) if seg.kind == "pf" else ("ph", seg.slot) for seg, tokens in zip(segments, token_lists)]
 
@@ -203,9 +208,9 @@ def _kvcomm_pieces(engine: Engine, corrector: KVCommCorrector, scope: Scope, age
     injected = _kvcomm_injection(corrector, scope, agent, segments, token_lists, starts, runs, decisions)
     if injected is None:
         for index, decision in list(decisions.items()):
-            if decision.reused or (decision.decision == "corrected"):
-                decisions[index] = PHDecision("fallback", reason="call_dense", source=decision.source,
-                                              entropy=decision.entropy, setup_s=decision.setup_s, plan_s=decision.plan_s)
+            if decision.reused:
+                decisions[index] = replace(decision, decision="fallback", reason="call_dense", inject=None, covered=0,
+                                           anchors=[], glue=None)
         learning = any(d.learn for d in decisions.values())
         first = min(runs, default=len(segments))
         pieces = [Piece(i, SegmentPlan(seg.name, tokens, Step.PREFIX,
@@ -239,8 +244,8 @@ def _kvcomm_injection(corrector: KVCommCorrector, scope: Scope, agent: str, segm
     if not runs or not all(d.decision == "corrected" and d.covered > 0 for d in decisions.values()):
         return None
     injected: dict[int, SegmentKV] = {index: decisions[index].inject for index in runs}
-    glued = {index: [t for j in run for t in token_lists[j]] for index, run in runs.items()
-             if run and corrector.glue_known(agent, decisions[index], [t for j in run for t in token_lists[j]])}
+    glued = {index: tokens for index, run in runs.items()
+             if run and corrector.glue_known(agent, decisions[index], tokens := _run_tokens(run, token_lists))}
     if not glued:
         return injected
     started = time.perf_counter()
@@ -312,7 +317,7 @@ def _kvcomm_glue(corrector: KVCommCorrector, plan: CallPlan, served: "_Served") 
             continue
         if template is None:
             template = corrector.template(plan.scope, plan.call.agent, _template_shape(plan.segments, plan.token_lists))
-        glue[index] = (tuple(t for j in run for t in plan.token_lists[j]), _joined([served.kvs[j] for j in run]),
+        glue[index] = (tuple(_run_tokens(run, plan.token_lists)), _joined([served.kvs[j] for j in run]),
                        _joined([template[j] for j in run]))
     return glue
 

@@ -72,8 +72,7 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
     engine = runtimes[order[0]].engine
     sampling = SamplingParams(max_tokens=1)
     timed = defaultdict(list)  # strategy -> results of timed calls
-    hops = defaultdict(list)  # strategy -> reuse-hop TTFTs
-    hop_results = defaultdict(list)  # strategy -> reuse-hop results
+    hops = defaultdict(list)  # strategy -> results of reuse-hop calls
     whole = defaultdict(list)  # strategy -> TTFTs of all four calls
     for index in range(warmup + rounds):
         warm = index < warmup
@@ -89,16 +88,15 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
                     timed[name].append(result)
                     whole[name].append(result.ttft_s)
                     if position > 0:
-                        hops[name].append(result.ttft_s)
-                        hop_results[name].append(result)
+                        hops[name].append(result)
     rows = {}
     for name in order:
         figures = summarize(timed[name])
         rows[name] = {
-            "hop_ttft_s": statistics.fmean(hops[name]),
+            "hop_ttft_s": statistics.fmean(r.ttft_s for r in hops[name]),
             # as KVCOMM times it: less the reference and template prefills and the gate
             "hop_ttft_less_setup_s": statistics.fmean(r.ttft_s - sum(s.setup_s for s in r.segments)
-                                                      for r in hop_results[name]),
+                                                      for r in hops[name]),
             "workflow_ttft_s": statistics.fmean(whole[name]),
             "workflow_total_s": statistics.fmean(r.total_s for r in timed[name]),  # anchor building included
             "reuse_ratio": figures["reuse_ratio"],

@@ -129,7 +129,6 @@ class KVCommCorrector(Corrector):
         self.verdicts: OrderedDict[str, Verdict] = OrderedDict()  # source id -> the gate's decision
         self.templates: OrderedDict[tuple, list[SegmentKV | None]] = OrderedDict()
         self._templates_lock = threading.Lock()  # templates are also made after a call, with no runtime lock
-        self.setup_s = 0.0  # reference and template prefills and gates: what KVCOMM leaves out of TTFT
 
     # --- one shared segment ----------------------------------------------------------------
 
@@ -220,7 +219,6 @@ class KVCommCorrector(Corrector):
             if held is not None:
                 self.templates.move_to_end(key)
                 return held
-        started = time.perf_counter()
         plans = [SegmentPlan(f"{kind}{i}", list(x) if kind == "pf" else self.engine.tokenize("{" + x + "}"),
                              Step.PREFIX) for i, (kind, x) in enumerate(shape)]
         result = self.engine.execute(ExecRequest(plans, SamplingParams(max_tokens=1), owner=REFERENCE, internal=True,
@@ -230,7 +228,6 @@ class KVCommCorrector(Corrector):
             self.templates[key] = kvs
             while len(self.templates) > TEMPLATES_KEPT:
                 self.templates.popitem(last=False)
-            self.setup_s += time.perf_counter() - started
         return kvs
 
     @staticmethod
@@ -248,17 +245,17 @@ class KVCommCorrector(Corrector):
         """The template text after `decision`'s segment (`tokens`, whose template prefill gave
         `template`) placed at `start` and corrected by the anchors' observed template corrections;
         None when an anchor holds none for these tokens."""
+        if not self.glue_known(agent, decision, tokens):
+            return None
         weights: GlueWeights = decision.glue
         layout = self.engine.layout
-        placed = self.engine.realign(SegmentKV(template.keys, template.values, template.start), start)
+        placed = self.engine.realign(template, start)
         corrected = []
         for part, part_weights in (("keys", weights.keys), ("values", weights.values)):
             rows = as_rows(getattr(placed, part)).float().clone()  # (L, G, F)
             for v, anchor in enumerate(weights.anchors):
-                observed = anchor.corrections.get(agent)
-                if observed is None or observed.glue_tokens != tuple(tokens):
-                    return None
-                rows[1:] += part_weights[v, 1:, None, :] * _dense(getattr(observed, f"glue_{part}"))
+                observed = getattr(anchor.corrections[agent], f"glue_{part}")  # (L-1, G, F)
+                rows[1:] += part_weights[v, 1:, None, :] * _dense(observed)
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
         if not all(bool(torch.isfinite(t).all()) for t in corrected):
             return None
