@@ -12,7 +12,7 @@ from agentcache.correction.anchors import AnchorBank, Correction
 from agentcache.correction.lowrank import Factors, as_rows
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine.protocol import ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.isolation import Scope
+from agentcache.isolation import Scope, tenant_salt
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
 from tests.conftest import make_engine, text_of_length
@@ -251,3 +251,23 @@ def test_setup_time_is_reported_so_ttft_can_be_read_both_ways():
     setup = sum(s.setup_s for s in first.segments)
     assert 0 < setup < first.ttft_s  # the reference prefill, inside the TTFT
     assert setup <= sum(s.plan_s for s in first.segments)
+
+
+def test_template_prefills_stay_in_their_tenants_namespace():
+    """The template prefill holds the tenant's prompt text: exact, but cached for that tenant only,
+    and one tenant's templates are never served to another."""
+    rt = kvcomm_runtime()
+    engine = rt.engine
+
+    def tenant_round(query: str, tenant: str) -> list:
+        return [rt.run(AgentCall(agent=agent, tenant=tenant, segments=call(agent, query).segments), ONE)
+                for agent in SYSTEMS]
+
+    for seed in range(2):
+        tenant_round(text_of_length(engine, 40, seed=100 + seed), "acme")
+    results = tenant_round(text_of_length(engine, 30, seed=7), "acme")
+    assert results[1].segments[2].decision == "corrected"  # the template was made and used
+    template = engine.tokenize(SYSTEMS["critic"], bos=True) + engine.tokenize("{query}")
+    assert engine.cached_prefix_length(template, cache_salt=tenant_salt("acme")) > 0
+    assert engine.cached_prefix_length(template) == 0
+    assert {key[0] for key in rt.corrector.templates} == {"acme"}
