@@ -17,9 +17,8 @@ Per strategy, over the scored calls:
 - `prefill_tokens_per_call`: the prefill work each call actually did, in full-forward tokens.
 
 Beside the named strategies, the paper's matched pairs (§4.2): CacheBlend and DroidSpeak at
-ρ = 0.9 and 0.8, KVCMAS with its gate calibrated to reach ρ =
-0.8 and 0.6 (`*_rho0.8`, ...): τ is set again every 4 eligible segments from the gate entropies
-of the latest ones.
+ρ = 0.9 and 0.8, KVCMAS with its gate held at ρ = 0.8 and 0.6 (`*_rho0.8`, ...) from the 4th
+eligible segment of the warm-up on (`correction.calibration`).
 
 Prints one JSON object; `--quick` is a small run that finishes in under a minute on 2 cores.
 """
@@ -46,7 +45,7 @@ from agentcache.tasks import FourAgentWorkflow, arithmetic_problem, fact_problem
 
 ORDER = ["nonshared", "fullshared", "kvcomm", "kvcomm_canonical", "kvcmas", "kvcmas_nonchained", "kvcmas_fullrank"]
 # the paper's pairing at matched reuse (§4.2): selective recomputation at ρ = 0.9 and 0.8 beside
-# delta correction with its gate calibrated for ρ = 0.8 and 0.6 (from the warm-up on, every few segments)
+# delta correction with its gate held at ρ = 0.8 and 0.6 (from the warm-up's 4th eligible segment on)
 CALIBRATE_EVERY = 4
 MATCHED = {
     "kvcmas_rho0.8": ("kvcmas", dict(target_reuse=0.8, calibrate_after=CALIBRATE_EVERY)),

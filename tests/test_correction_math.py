@@ -126,15 +126,3 @@ def test_the_nearest_scaled_gate_reads_relative_distances_on_any_scale():
     assert normalized_entropy(gate_weights(close * 100, 1.0, "absolute")) < 1e-6
     with pytest.raises(ValueError, match="gate scale"):
         gate_weights(close, 0.1, "median")
-
-
-def test_calibrated_tau_accepts_the_lowest_entropies_up_to_the_target_share():
-    from agentcache.correction.matching import calibrated_tau
-
-    gated = [(0.1, 10), (0.5, 10), (0.2, 10), (0.9, 10)]
-    assert calibrated_tau(gated, 50, 0.4) == 0.2  # 20 of 50 eligible tokens: the two lowest entropies
-    assert calibrated_tau(gated, 50, 0.6) == 0.5
-    assert calibrated_tau(gated, 50, 0.9) == 1.0  # 10 tokens never reach the gate: accept all gated
-    assert calibrated_tau(gated, 50, 0.0) == 0.0
-    with pytest.raises(ValueError, match="warm-up"):
-        calibrated_tau([], 50, 0.5)

@@ -24,8 +24,8 @@ import torch
 
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
-from agentcache.correction.matching import (calibrated_tau, gate_distances, gate_weights, interpolated_correction,
-                                            normalized_entropy)
+from agentcache.correction.calibration import CALIBRATION_WINDOW, ReuseController
+from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
 from agentcache.correction.selective import LayerProfile, layer_count, token_plan
 from agentcache.correction.store import Materialization, SegmentStore, common_prefix
 from agentcache.correction.strategies import Strategy
@@ -42,9 +42,6 @@ REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
-# segments a target reuse ratio is calibrated on: recent ones only, so the early segments that met
-# too few anchors (which stop once the pools fill) do not keep pushing τ up
-CALIBRATION_WINDOW = 48
 
 
 @dataclass(frozen=True)
@@ -88,10 +85,10 @@ class Corrector:
         self.store = SegmentStore(store_bytes)
         self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
         self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
-        self.tau = strategy.tau  # the gate's threshold; `calibrate` sets it for a target reuse ratio
+        self.tau = strategy.tau  # the gate's threshold; `reuse_control` sets it for a target reuse ratio
         # planned segments that had a source: (gate entropy, or None when the gate was not reached; tokens)
         self.gate_log: deque[tuple[float | None, int]] = deque(maxlen=GATE_LOG)
-        self.calibrated: dict | None = None  # how tau was set, once calibrated
+        self.reuse_control: ReuseController | None = None  # from the first calibration on
         self.planned = 0  # segments ever logged in gate_log
         self.anchor_build_s = 0.0
         self.reference_s = 0.0  # context-free reference prefills (non-chained), on consumers' critical paths
@@ -117,27 +114,37 @@ class Corrector:
         decision.plan_s = time.perf_counter() - started
         decision.setup_s += self.reference_s - references_before
         if decision.source is not None and self.strategy.correct:
-            self.gate_log.append((decision.entropy, len(token_ids)))
-            self.planned += 1
-            target, every = self.strategy.target_reuse, self.strategy.calibrate_after
-            if target is not None and self.planned % every == 0 and any(e is not None for e, _ in self.gate_log):
-                self.calibrate(target, CALIBRATION_WINDOW)  # again every `calibrate_after`: the pools keep changing
+            self._log_gate(decision, len(token_ids))
         return decision
 
+    def _log_gate(self, decision: PHDecision, tokens: int) -> None:
+        """Log an eligible segment's gate entropy; a controlled gate follows it, and a target reuse
+        ratio starts being controlled after `calibrate_after` segments with gate evaluations."""
+        self.gate_log.append((decision.entropy, tokens))
+        self.planned += 1
+        if self.reuse_control is not None:
+            self.tau = self.reuse_control.record(decision.entropy, tokens, decision.covered if decision.reused else 0)
+            return
+        target = self.strategy.target_reuse
+        if (target is not None and self.planned >= self.strategy.calibrate_after
+                and any(entropy is not None for entropy, _ in self.gate_log)):
+            self.calibrate(target, CALIBRATION_WINDOW)
+
     def calibrate(self, target: float, recent: int | None = None) -> float:
-        """Set the gate's τ so that the share `target` of the eligible tokens planned lately (the
-        latest `recent` segments, or all that are kept) would have been reused (the paper tunes τ per
-        workload); returns τ. Needs gate evaluations."""
-        window = list(self.gate_log)[-recent:] if recent else list(self.gate_log)
-        gated = [(entropy, tokens) for entropy, tokens in window if entropy is not None]
-        eligible = sum(tokens for _, tokens in window)
-        self.tau = calibrated_tau(gated, eligible, target)
-        reachable = sum(tokens for _, tokens in gated) / eligible
-        self.calibrated = {"target_reuse": target, "tau": self.tau, "segments": len(window),
-                           "gated_share": reachable}
-        log.info("gate calibrated for reuse %.2f: tau = %.4f over %d segments (%.2f of the tokens reach the gate)",
-                 target, self.tau, len(window), reachable)
+        """Hold the gate at reuse ratio `target` from now on (the papers tune τ per workload): τ is
+        read from the gate entropies of the latest `recent` eligible segments (all that are kept by
+        default) and then follows every segment planned (`calibration.ReuseController`); returns τ.
+        Needs gate evaluations."""
+        history = list(self.gate_log)[-recent:] if recent else list(self.gate_log)
+        self.reuse_control = ReuseController(target, history)
+        self.tau = self.reuse_control.tau
+        log.info("gate held at reuse %.2f: tau = %.4f from %d segments", target, self.tau, len(history))
         return self.tau
+
+    @property
+    def calibrated(self) -> dict | None:
+        """How τ is set, once a target reuse ratio holds it."""
+        return self.reuse_control.report() if self.reuse_control is not None else None
 
     def _plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
               source_agent: str | None, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
@@ -277,6 +284,8 @@ class Corrector:
             entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature, self.strategy.gate_scale))
             if not entropy <= self.tau:
                 return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
+            if self.reuse_control is not None and not self.reuse_control.allows(length):
+                return PHDecision("fallback", reason="budget", source=source, entropy=entropy)
         corrected = []
         for part in ("keys", "values"):
             rows = as_rows(getattr(aligned, part)).float().clone()  # (L, S, F); a copy: the source stays intact

@@ -12,7 +12,7 @@ import torch
 
 from agentcache.correction.lowrank import Factors
 
-__all__ = ["gate_distances", "normalized_entropy", "gate_weights", "interpolated_correction", "GATE_SCALES", "calibrated_tau"]
+__all__ = ["gate_distances", "normalized_entropy", "gate_weights", "interpolated_correction", "GATE_SCALES"]
 
 
 def gate_distances(source_values: torch.Tensor, anchors: list[Factors], k: int) -> torch.Tensor:
@@ -79,24 +79,3 @@ def interpolated_correction(
             rows = reach[v]
             correction[layer, :rows] += weights[v, :rows, None] * delta.layer_rows(layer, rows)
     return correction, covered
-
-
-def calibrated_tau(gated: list[tuple[float, int]], eligible_tokens: int, target: float) -> float:
-    """The gate threshold τ under which the share `target` of `eligible_tokens` would have been
-    reused, given the gate evaluations `gated` as (normalized entropy, tokens): the entropy of the
-    gated token at that share, lowest entropies accepted first. Segments that never reach the gate
-    (too few anchors) count in `eligible_tokens` only, so a target above what the gate can reach
-    gives τ = 1 (accept every gated segment)."""
-    if not 0.0 <= target <= 1.0:
-        raise ValueError(f"a target reuse ratio is in [0, 1], got {target!r}")
-    if eligible_tokens <= 0 or not gated:
-        raise ValueError("calibrating the gate needs gate evaluations on eligible traffic (run a warm-up first)")
-    needed = target * eligible_tokens
-    if needed <= 0:
-        return 0.0
-    accepted = 0
-    for entropy, tokens in sorted(gated):
-        accepted += tokens
-        if accepted >= needed:
-            return float(min(1.0, entropy))
-    return 1.0

@@ -58,8 +58,9 @@ class Strategy:
     # anchor's distance ("nearest": the same on every model) or on raw distances ("absolute", the paper's T = 1)
     temperature: float = 0.1
     gate_scale: str = "nearest"
-    # the reuse ratio to reach: every `calibrate_after` eligible segments planned, tau is set again from
-    # the gate entropies of the latest ones (`Corrector.calibrate`); None keeps tau as given
+    # the reuse ratio (tokens) to hold: after `calibrate_after` eligible segments, tau is read from their
+    # gate entropies and then follows every segment, with feedback and a reuse budget
+    # (`correction.calibration`); None keeps tau as given
     target_reuse: float | None = None
     calibrate_after: int = 16
     recompute: str | None = None  # "tokens" (CacheBlend) or "layers" (DroidSpeak): selective recomputation
