@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -40,7 +41,7 @@ def replay(segments, target: float, *, controlled: bool = True, start: int = 4, 
     seen, control, reused, eligible = [], None, 0, 0
     for index, (entropy, tokens) in enumerate(segments):
         accepted = (control is not None and entropy is not None and entropy <= control.tau
-                    and (not controlled or control.allows(tokens)))
+                    and (not controlled or control.allows(entropy, tokens)))
         served = tokens if accepted else 0
         if index >= scored_from:
             reused, eligible = reused + served, eligible + tokens
@@ -72,6 +73,7 @@ def test_the_gate_holds_its_target_on_gemmas_gate_entropies(target):
     held = [replay(run, target, scored_from=warm) for run, warm in gemma_runs(40)]
     fixed = [replay(run, target, controlled=False, scored_from=warm) for run, warm in gemma_runs(40)]
     assert abs(statistics.fmean(held) - target) < 0.03
+    assert math.sqrt(statistics.fmean((r - target) ** 2 for r in held)) < 0.04
     assert max(abs(r - target) for r in held) < 0.12
     assert min(fixed) > target + 0.15
 
@@ -94,7 +96,7 @@ def test_the_budget_splits_tied_segments():
     control = ReuseController(0.5, [(0.1, 100)] * 8)  # every segment gates at 0.1: τ takes them all
     served = []
     for _ in range(40):
-        accepted = 0.1 <= control.tau and control.allows(100)
+        accepted = 0.1 <= control.tau and control.allows(0.1, 100)
         served.append(100 if accepted else 0)
         control.record(0.1, 100, served[-1])
     assert sum(served) / (100 * len(served)) == pytest.approx(0.5, abs=0.05)
@@ -102,12 +104,25 @@ def test_the_budget_splits_tied_segments():
     assert control.report()["reuse_since_calibrated"] == pytest.approx(0.5, abs=0.05)
 
 
+def test_the_budget_decides_only_in_the_band_below_tau():
+    """Over budget, a correction well below τ is still taken; the budget refuses only those in the
+    band under τ (the least certain the gate accepted), ties at the band's edge included."""
+    control = ReuseController(0.5, [(e / 10, 10) for e in range(10)])  # entropies 0.0-0.9, 10 tokens each
+    assert control.tau == pytest.approx(0.45)  # 50 of 100 tokens: halfway from 0.4 to 0.5
+    control.credit = -1000.0  # recent reuse far above target
+    assert control.allows(0.05, 10)  # below the entropy reaching 0.5 - BUDGET_BAND = 0.2 of the tokens
+    assert not control.allows(0.1, 10) and not control.allows(0.4, 10)
+    control.credit = 0.0
+    assert control.allows(0.4, 10)
+
+
 @pytest.mark.parametrize("part", ["FEEDBACK_GAIN", "BUDGET_SLACK"])
-def test_without_feedback_or_budget_the_gemma_target_is_missed(monkeypatch, part):
+def test_without_feedback_or_budget_the_gemma_targets_are_missed_by_more(monkeypatch, part):
     """Each part carries its weight on Gemma's entropies: without the feedback, or without the
-    budget, the scored problems miss 0.6 by more than twice the held gate's error."""
-    def mean_error():
-        return abs(statistics.fmean(replay(run, 0.6, scored_from=warm) for run, warm in gemma_runs(40)) - 0.6)
-    held = mean_error()
+    budget, the scored problems' root-mean-square distance from 0.8 and 0.6 grows by half or more."""
+    def rms_error():
+        return sum(math.sqrt(statistics.fmean((replay(run, target, scored_from=warm) - target) ** 2
+                                              for run, warm in gemma_runs(40))) for target in (0.8, 0.6))
+    held = rms_error()
     monkeypatch.setattr(calibration, part, 0.0 if part == "FEEDBACK_GAIN" else 1e9)
-    assert mean_error() > max(0.05, 2 * held)
+    assert rms_error() > 1.5 * held

@@ -10,12 +10,14 @@ A fixed τ taken from warm-up traffic misses its target in two ways, and each pa
 - Segments are coarse and come in ties. One query read by three agents has nearly one entropy, so
   a threshold takes or leaves all three, and on a short run one tie is a tenth of the tokens.
   A reuse budget (a token credit that leaks over about one window) refuses a correction the gate
-  accepted when taking it would put recent reuse more than half the segment above target. The
-  budget only refuses: it never accepts what the entropy gate refused.
+  accepted when taking it would put recent reuse more than half the segment above target. It
+  decides only in a band just under τ (the least certain corrections the gate accepted), and it
+  only refuses: it never accepts what the entropy gate refused.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Iterable
 
@@ -24,6 +26,26 @@ __all__ = ["calibrated_tau", "ReuseController", "CALIBRATION_WINDOW"]
 CALIBRATION_WINDOW = 48  # segments whose entropies set τ, and about the budget's memory
 FEEDBACK_GAIN = 0.1  # aim moved per segment by gain · (target · tokens − reused) / mean segment tokens
 BUDGET_SLACK = 0.5  # a correction may take recent reuse this share of its own tokens above target
+# the budget decides only for entropies in the top share of what τ accepts: below the entropy that
+# reaches aim − BUDGET_BAND of the window's tokens, a correction the gate accepted is always taken
+BUDGET_BAND = 0.3
+
+
+def _reaching(gated: list[tuple[float, int]], eligible_tokens: int, share: float) -> tuple[float, float | None] | None:
+    """Accepting the gated segments lowest entropy first: the entropy at which they reach the share
+    `share` of `eligible_tokens`, and the next higher entropy (None when none is higher); None when
+    the gated segments never reach it."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"a target reuse ratio is in [0, 1], got {share!r}")
+    if eligible_tokens <= 0 or not gated:
+        raise ValueError("calibrating the gate needs gate evaluations on eligible traffic (run a warm-up first)")
+    ordered = sorted(gated)
+    accepted = 0
+    for index, (entropy, tokens) in enumerate(ordered):
+        accepted += tokens
+        if accepted >= share * eligible_tokens:
+            return entropy, next((e for e, _ in ordered[index + 1:] if e > entropy), None)
+    return None
 
 
 def calibrated_tau(gated: list[tuple[float, int]], eligible_tokens: int, target: float) -> float:
@@ -32,21 +54,12 @@ def calibrated_tau(gated: list[tuple[float, int]], eligible_tokens: int, target:
     accepted first: halfway between the entropy that reaches the share and the next one above it (1
     when that one is the highest). Segments that never reach the gate (too few anchors) count in
     `eligible_tokens` only, so a target above what the gate can reach gives τ = 1."""
-    if not 0.0 <= target <= 1.0:
-        raise ValueError(f"a target reuse ratio is in [0, 1], got {target!r}")
-    if eligible_tokens <= 0 or not gated:
-        raise ValueError("calibrating the gate needs gate evaluations on eligible traffic (run a warm-up first)")
-    needed = target * eligible_tokens
-    if needed <= 0:
+    reached = _reaching(gated, eligible_tokens, target)
+    if target == 0.0:
         return 0.0
-    ordered = sorted(gated)
-    accepted = 0
-    for index, (entropy, tokens) in enumerate(ordered):
-        accepted += tokens
-        if accepted >= needed:
-            above = next((e for e, _ in ordered[index + 1:] if e > entropy), None)
-            return 1.0 if above is None else float((entropy + above) / 2)
-    return 1.0
+    if reached is None or reached[1] is None:
+        return 1.0
+    return float(sum(reached) / 2)
 
 
 class ReuseController:
@@ -69,10 +82,12 @@ class ReuseController:
         self.reused = 0
         self.budget_refusals = 0
         self.tau = self._threshold(history)  # the first τ from all the history given
+        self.sure = self._sure(history)
 
-    def allows(self, tokens: int) -> bool:
-        """Whether a correction of `tokens` tokens the gate accepted stays within the reuse budget."""
-        if self.credit - (1.0 - self.target) * tokens >= -BUDGET_SLACK * tokens:
+    def allows(self, entropy: float, tokens: int) -> bool:
+        """Whether a correction (gate `entropy`, `tokens` tokens) the gate accepted is taken: always
+        when its entropy is below the budget's band, else when it stays within the reuse budget."""
+        if entropy < self.sure or self.credit - (1.0 - self.target) * tokens >= -BUDGET_SLACK * tokens:
             return True
         self.budget_refusals += 1
         return False
@@ -84,16 +99,28 @@ class ReuseController:
         self.reused += reused
         gap = self.target * tokens - reused  # > 0: fewer tokens reused than the target asks
         self.credit = self.leak * self.credit + gap
-        mean_tokens = sum(n for _, n in self.window) / len(self.window)
+        mean_tokens = max(1.0, sum(n for _, n in self.window) / len(self.window))
         self.aim = min(1.0, max(0.0, self.aim + FEEDBACK_GAIN * gap / mean_tokens))
         if any(entropy is not None for entropy, _ in self.window):
-            self.tau = self._threshold(self.window)
+            self.tau, self.sure = self._threshold(self.window), self._sure(self.window)
         return self.tau
 
-    def _threshold(self, segments: Iterable[tuple[float | None, int]]) -> float:
+    @staticmethod
+    def _split(segments: Iterable[tuple[float | None, int]]) -> tuple[list[tuple[float, int]], int]:
         segments = list(segments)
-        gated = [(entropy, tokens) for entropy, tokens in segments if entropy is not None]
-        return calibrated_tau(gated, sum(tokens for _, tokens in segments), self.aim)
+        return [(e, n) for e, n in segments if e is not None], sum(n for _, n in segments)
+
+    def _threshold(self, segments: Iterable[tuple[float | None, int]]) -> float:
+        return calibrated_tau(*self._split(segments), self.aim)
+
+    def _sure(self, segments: Iterable[tuple[float | None, int]]) -> float:
+        """Entropies below this are taken whatever the budget: the entropy that reaches the share
+        aim − BUDGET_BAND (strictly below it, so ties at the margin stay the budget's)."""
+        share = self.aim - BUDGET_BAND
+        if share <= 0.0:
+            return 0.0
+        reached = _reaching(*self._split(segments), share)
+        return math.inf if reached is None else reached[0]
 
     def report(self) -> dict:
         window_tokens = sum(tokens for _, tokens in self.window)

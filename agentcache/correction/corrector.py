@@ -284,7 +284,7 @@ class Corrector:
             entropy = normalized_entropy(gate_weights(distances, self.strategy.temperature, self.strategy.gate_scale))
             if not entropy <= self.tau:
                 return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
-            if self.reuse_control is not None and not self.reuse_control.allows(length):
+            if self.reuse_control is not None and not self.reuse_control.allows(entropy, length):
                 return PHDecision("fallback", reason="budget", source=source, entropy=entropy)
         corrected = []
         for part in ("keys", "values"):
