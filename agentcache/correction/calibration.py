@@ -69,9 +69,7 @@ class ReuseController:
 
     def __init__(self, target: float, history: Iterable[tuple[float | None, int]] = (),
                  window: int = CALIBRATION_WINDOW) -> None:
-        if not 0.0 <= target <= 1.0:
-            raise ValueError(f"a target reuse ratio is in [0, 1], got {target!r}")
-        self.target = target
+        self.target = target  # checked by the first τ below
         # the latest eligible segments: (gate entropy, or None when the gate was not reached; tokens)
         history = list(history)
         self.window: deque[tuple[float | None, int]] = deque(history, maxlen=window)
@@ -81,8 +79,7 @@ class ReuseController:
         self.eligible = 0  # tokens planned since the first calibration
         self.reused = 0
         self.budget_refusals = 0
-        self.tau = self._threshold(history)  # the first τ from all the history given
-        self.sure = self._sure(history)
+        self.tau, self.sure = self._thresholds(history)  # the first from all the history given
 
     def allows(self, entropy: float, tokens: int) -> bool:
         """Whether a correction (gate `entropy`, `tokens` tokens) the gate accepted is taken: always
@@ -102,25 +99,22 @@ class ReuseController:
         mean_tokens = max(1.0, sum(n for _, n in self.window) / len(self.window))
         self.aim = min(1.0, max(0.0, self.aim + FEEDBACK_GAIN * gap / mean_tokens))
         if any(entropy is not None for entropy, _ in self.window):
-            self.tau, self.sure = self._threshold(self.window), self._sure(self.window)
+            self.tau, self.sure = self._thresholds(self.window)
         return self.tau
 
-    @staticmethod
-    def _split(segments: Iterable[tuple[float | None, int]]) -> tuple[list[tuple[float, int]], int]:
+    def _thresholds(self, segments: Iterable[tuple[float | None, int]]) -> tuple[float, float]:
+        """τ for the share `aim` of `segments`' tokens, and the budget's band edge: entropies below
+        the one that reaches aim − BUDGET_BAND are taken whatever the budget (strictly below, so ties
+        at the edge stay the budget's)."""
         segments = list(segments)
-        return [(e, n) for e, n in segments if e is not None], sum(n for _, n in segments)
-
-    def _threshold(self, segments: Iterable[tuple[float | None, int]]) -> float:
-        return calibrated_tau(*self._split(segments), self.aim)
-
-    def _sure(self, segments: Iterable[tuple[float | None, int]]) -> float:
-        """Entropies below this are taken whatever the budget: the entropy that reaches the share
-        aim − BUDGET_BAND (strictly below it, so ties at the margin stay the budget's)."""
+        gated = sorted((e, n) for e, n in segments if e is not None)
+        eligible = sum(n for _, n in segments)
+        tau = calibrated_tau(gated, eligible, self.aim)
         share = self.aim - BUDGET_BAND
         if share <= 0.0:
-            return 0.0
-        reached = _reaching(*self._split(segments), share)
-        return math.inf if reached is None else reached[0]
+            return tau, 0.0
+        reached = _reaching(gated, eligible, share)
+        return tau, math.inf if reached is None else reached[0]
 
     def report(self) -> dict:
         window_tokens = sum(tokens for _, tokens in self.window)
