@@ -4,6 +4,7 @@ from agentcache.correction import STRATEGIES, Strategy
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.metrics import CallResult, JsonlSink
 from agentcache.models import DEFAULT_MODEL, load_model
+from agentcache.policies import EVICTION_POLICIES, make_policy
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import CheckReport, check_model
@@ -15,6 +16,7 @@ __all__ = [
     "CallResult",
     "CheckReport",
     "DEFAULT_MODEL",
+    "EVICTION_POLICIES",
     "EmbeddedEngine",
     "EngineConfig",
     "ExecRequest",
@@ -29,4 +31,5 @@ __all__ = [
     "Strategy",
     "check_model",
     "load_model",
+    "make_policy",
 ]

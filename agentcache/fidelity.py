@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from agentcache.correction.store import common_prefix
 from agentcache.engine.kv import SegmentKV
+from agentcache.engine.tokens import common_prefix
 from agentcache.metrics import CallResult
 
 __all__ = ["relative_error", "kv_error", "LayerErrors", "ph_layer_errors", "prefix_agreement", "teacher_forced"]

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-__all__ = ["Scope", "lineage_salt", "tenant_salt"]
+__all__ = ["Scope", "engine_session", "lineage_salt", "tenant_salt"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,10 @@ def tenant_salt(tenant: str | None) -> str | None:
     tenant. Exact KV depends on the tokens alone, so runtimes that share an engine and a tenant name
     share these blocks."""
     return None if tenant is None else "tenant:" + _digest("tenant", tenant)
+
+
+def engine_session(scope: Scope) -> str | None:
+    """The session as an engine's eviction policy sees it: sessions of different tenants apart."""
+    if scope.tenant is None:
+        return scope.session
+    return json.dumps([scope.tenant, scope.session])

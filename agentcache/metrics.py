@@ -1,28 +1,34 @@
-"""Per-call results, aggregate figures kept incrementally, and sinks that stream records out.
+"""Per-call results, aggregate figures kept incrementally, the call log, and sinks that stream records out.
 
 A long-lived runtime never re-reads its history: `Figures` folds each call into counters and a
 bounded reservoir of TTFTs (exact percentiles up to `RESERVOIR` calls, a uniform sample after),
-and per-call records go to a bounded ring and, if asked, to a callback such as `JsonlSink`.
+and `CallLog` keeps per-call records and dispatch events in a bounded ring, counts dispatches, and
+hands each record to a callback such as `JsonlSink` if asked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import ExecResult
+from agentcache.errors import InputError
 from agentcache.segments import DispatchEvent
 
-__all__ = ["SegmentReport", "CallResult", "Figures", "JsonlSink", "summarize", "percentile", "RESERVOIR"]
+__all__ = ["SegmentReport", "CallResult", "Figures", "CallLog", "JsonlSink", "summarize", "percentile", "RESERVOIR"]
+
+log = logging.getLogger(__name__)
 
 RESERVOIR = 10_000  # TTFTs kept for percentiles: exact up to this many calls, a uniform sample after
+DISPATCH_KEYS = 1024  # distinct framework:agent keys counted apart; the rest count as "(other)"
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,24 @@ class CallResult:
     session: str | None = None
     tenant: str | None = None
     lineage_tokens: int = 0  # of cached_tokens, approximate: the caller's own lineage blocks
+
+    @classmethod
+    def of(cls, call: Any, event: DispatchEvent | None, segments: list[SegmentReport], result: ExecResult,
+           prompt: Sequence[int], *, ttft_s: float, queued_s: float, total_s: float,
+           kvs: Sequence[SegmentKV | None] | None = None) -> CallResult:
+        """The record of an `AgentCall` the engine served (`result`) with these segment reports;
+        `kvs` (each segment's KV) keeps the KV and the engine's result on the record."""
+        shared = [r for r in segments if r.kind == "ph"]
+        return cls(
+            agent=call.agent, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
+            ttft_s=ttft_s, queued_s=queued_s, total_s=total_s, event=event, prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens, lineage_tokens=sum(r.lineage_tokens for r in segments),
+            session=call.session, tenant=call.tenant, ph_tokens=sum(r.length for r in shared),
+            eligible_tokens=sum(r.length - r.cached_tokens for r in shared if r.source is not None),
+            reused_tokens=sum(r.injected_tokens - r.recomputed_tokens for r in shared),
+            segments=segments, prompt_ids=list(prompt),
+            engine_result=result if kvs is not None else None, segment_kv=list(kvs) if kvs is not None else [],
+        )
 
     @property
     def exact_cached_tokens(self) -> int:
@@ -174,6 +198,68 @@ def summarize(results: Iterable[CallResult]) -> dict[str, Any]:
     for result in results:
         figures.add(result)
     return figures.to_dict()
+
+
+class CallLog:
+    """The newest `keep` calls' records and dispatch events, dispatch counts per framework and
+    agent, aggregate `figures`, and the `on_call` sink. Thread-safe: records are read while calls run."""
+
+    def __init__(self, keep: int, on_call: Callable[[CallResult], None] | None = None) -> None:
+        if on_call is not None and not callable(on_call):
+            raise InputError(f"Runtime(on_call=...) must be callable or None, got {type(on_call).__name__}")
+        self._results: deque[CallResult] = deque(maxlen=keep)
+        self._events: deque[DispatchEvent] = deque(maxlen=keep)
+        self._dispatches: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.figures = Figures()
+        self.on_call = on_call
+        self.sink_faults = 0
+
+    def record(self, result: CallResult) -> None:
+        """A finished call: kept, counted, and its dispatch event (if any) with it."""
+        with self._lock:
+            self._results.append(result)
+            event = result.event
+            if event is not None:
+                self._events.append(event)
+                key = f"{event.framework}:{event.agent}"
+                self._dispatches[key if key in self._dispatches or len(self._dispatches) < DISPATCH_KEYS
+                                 else "(other)"] += 1
+        self.figures.add(result)
+
+    def emit(self, result: CallResult) -> None:
+        """Hand a finished call's record to `on_call`; a failing sink is counted, never the call's fault."""
+        if self.on_call is None:
+            return
+        try:
+            self.on_call(result)
+        except Exception as exc:  # noqa: BLE001
+            with self._lock:
+                self.sink_faults += 1
+            log.warning("sink_error: the on_call sink raised; the call's record was not kept there (%s: %s)",
+                        type(exc).__name__, exc)
+
+    @property
+    def results(self) -> list[CallResult]:
+        with self._lock:
+            return list(self._results)
+
+    @property
+    def events(self) -> list[DispatchEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def dispatch_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._dispatches)
+
+    @staticmethod
+    def export_json(path: str | Path, summary: dict[str, Any], calls: Iterable[CallResult]) -> Path:
+        """`summary` and the calls' records as one JSON file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"summary": summary, "calls": [r.to_dict() for r in calls]}, indent=2))
+        return path
 
 
 class JsonlSink:

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from agentcache.errors import InputError
+from agentcache.errors import InputError, PlanError
 
 __all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot", "MAX_TOKEN_ID"]
 
@@ -115,6 +115,13 @@ class AgentCall(_Validated):
             raise ValueError("an agent call needs at least one segment")
         return value
 
+    @staticmethod
+    def checked(value: object, where: str) -> "AgentCall":
+        """`value` when it is an AgentCall; otherwise an InputError naming `where`."""
+        if not isinstance(value, AgentCall):
+            raise InputError(f"{where} takes an AgentCall, got {type(value).__name__}")
+        return value
+
 
 class DispatchEvent(_Validated):
     """An adapter's word that `agent` runs now (CacheScout's dispatch). The runtime checks it
@@ -135,4 +142,16 @@ class DispatchEvent(_Validated):
     def _named(cls, value: str) -> str:
         if not value or not value.strip():
             raise ValueError("a dispatch event needs a non-empty agent and framework")
+        return value
+
+    @staticmethod
+    def checked_for(value: object, call: AgentCall) -> "DispatchEvent | None":
+        """`value` (None, or a DispatchEvent naming `call`'s agent and session); else an error."""
+        if value is None:
+            return None
+        if not isinstance(value, DispatchEvent):
+            raise InputError(f"event must be a DispatchEvent, got {type(value).__name__}")
+        if (value.agent, value.session) != (call.agent, call.session):
+            raise PlanError(f"dispatch event for agent {value.agent!r} (session {value.session!r}) does not "
+                            f"match the call of agent {call.agent!r} (session {call.session!r})")
         return value

@@ -13,18 +13,22 @@ before it trusts reuse, or takes a report of it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
-
-from agentcache.calls import Settled, plan_call, settle_call
+from agentcache.calls import plan_call
 from agentcache.correction.corrector import Corrector
-from agentcache.correction.strategies import STRATEGIES
+from agentcache.correction.plan import Served
+from agentcache.correction.strategies import STRATEGIES, Strategy
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.errors import InputError
 from agentcache.fidelity import relative_error
-from agentcache.isolation import Scope, lineage_salt
+from agentcache.isolation import Scope
 from agentcache.segments import AgentCall, Segment
 
-__all__ = ["CheckReport", "check_model", "ROPE_TOLERANCE"]
+__all__ = ["CheckReport", "Verdict", "check_model", "vet_strategy", "ROPE_TOLERANCE"]
+
+log = logging.getLogger(__name__)
 
 ROPE_TOLERANCE = 1e-3  # relative Frobenius error of re-aligned layer-0 keys
 
@@ -55,6 +59,14 @@ class CheckReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def checked(value: object) -> CheckReport | None:
+        """`value` when it is None or a CheckReport; otherwise an InputError."""
+        if value is not None and not isinstance(value, CheckReport):
+            raise InputError(f"Runtime(check=...) must be a CheckReport (from agentcache.check_model) or None, "
+                             f"got {type(value).__name__}")
+        return value
+
 
 def _rope_error(engine: Engine) -> float:
     """Relative error of the probe text's layer-0 keys moved from one position to another."""
@@ -74,11 +86,13 @@ def _rope_error(engine: Engine) -> float:
 _PROBE_BYTES = 2**28  # anchor pools and source store of a probe corrector
 
 
-def _probe_call(engine: Engine, corrector: Corrector, call: AgentCall) -> Settled:
-    """One probe call end to end (plan, execute, settle), one token generated."""
-    plan = plan_call(engine, corrector, call, SamplingParams(max_tokens=1), namespace=None, session=None,
-                     lineage=lineage_salt("selfcheck", Scope(), call.agent))
-    return settle_call(corrector, plan, engine.execute(plan.request))
+def _probe_call(engine: Engine, corrector: Corrector, call: AgentCall) -> tuple[Served, str]:
+    """One probe call end to end (plan, execute, settle), one token generated; what it served, and
+    the decision on its shared segment."""
+    plan = plan_call(engine, corrector, call, SamplingParams(max_tokens=1), runtime_id="selfcheck")
+    served = Served.of(plan.tokenized, plan.planned, engine.execute(plan.request))
+    corrector.settle(served)
+    return served, served.reports()[1].decision
 
 
 def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckReport:
@@ -100,9 +114,9 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
             call = AgentCall(agent=agent, segments=(Segment.pf(system), Segment.ph("query", "Problem: " + query),
                                                     Segment.pf("\nAnswer:")))
             source = reuse.store.find(Scope(), "query", engine.tokenize("Problem: " + query))
-            got = _probe_call(reuse_engine, reuse, call)
-            want = _probe_call(dense_engine, dense, call)
-            if got.reports[1].decision != "corrected":
+            got, decision = _probe_call(reuse_engine, reuse, call)
+            want, _ = _probe_call(dense_engine, dense, call)
+            if decision != "corrected":
                 continue
             got_kv, want_kv = got.kvs[1], want.kvs[1]
             source_kv = engine.realign(source[0].kv, want_kv.start)
@@ -120,3 +134,40 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
     if not passed:
         reason = "correction makes shared KV worse than raw reuse: " + reason
     return CheckReport(name, passed, reason, rope, mean_corrected, mean_raw, len(corrected))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The strategy a runtime runs: the one asked for, or NonShared with the reason it was refused."""
+
+    strategy: Strategy
+    check: CheckReport | None
+    refusal: str | None = None
+
+
+def vet_strategy(engine: Engine, strategy: Strategy, check: CheckReport | None, self_check: bool) -> Verdict:
+    """Refuse cross-context reuse on a model that fails the self-check (run now when `self_check`
+    and no `check` report is given): NonShared runs instead, with the reason."""
+    check = CheckReport.checked(check)
+    if not strategy.reuse:
+        return Verdict(strategy, check)
+    if strategy.recompute is not None and not engine.supports_recompute:
+        raise InputError(f"strategy {strategy.name!r} recomputes part of the reused cache, which "
+                         f"{type(engine).__name__} cannot do (its KV connector fills whole contiguous "
+                         "ranges); run it on the EmbeddedEngine")
+    nonshared = STRATEGIES["nonshared"]
+    if not engine.supports_realignment:
+        log.warning("%s cannot re-align RoPE exactly; running NonShared instead of %s", engine.model_name, strategy.name)
+        return Verdict(nonshared, check, f"{engine.model_name}: RoPE re-alignment is not exact on this model")
+    if check is None and self_check:
+        try:
+            check = check_model(engine)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run proves nothing: refuse reuse
+            log.warning("the self-check raised on %s (%s: %s); running NonShared instead of %s",
+                        engine.model_name, type(exc).__name__, exc, strategy.name)
+            return Verdict(nonshared, None, f"the self-check raised {type(exc).__name__}: {exc}")
+    if check is not None and not check.passed:
+        log.warning("self-check failed on %s (%s); running NonShared instead of %s",
+                    engine.model_name, check.reason, strategy.name)
+        return Verdict(nonshared, check, f"{engine.model_name} failed the self-check: {check.reason}")
+    return Verdict(strategy, check)

@@ -12,7 +12,9 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
+from agentcache.errors import PlanError
 from agentcache.isolation import Scope
+from agentcache.segments import AgentCall, Segment, output_slot
 
 __all__ = ["SessionTable"]
 
@@ -64,10 +66,28 @@ class SessionTable:
         for old in forgotten:
             self._on_forget(old)
 
+    def record_call(self, call: AgentCall, output: str) -> None:
+        """After `call`: its agent's output, and the shared texts the call read."""
+        shared = [(seg.text.strip(), seg.slot) for seg in call.segments
+                  if seg.kind == "ph" and seg.text and seg.text.strip()]
+        self.record(Scope(call.tenant, call.session), call.agent, output, output_slot(call.agent), shared)
+
     def output(self, scope: Scope, agent: str) -> str | None:
         with self._lock:
             session = self._sessions.get(scope)
             return session.outputs.get(agent) if session is not None else None
+
+    def output_segment(self, scope: Scope, agent: str) -> Segment:
+        """A PH segment holding `agent`'s latest output in `scope`, for another agent's call there."""
+        output = self.output(scope, agent)
+        if output is None:
+            raise PlanError(f"agent {agent!r} has produced no output in session {scope.session!r}"
+                            f"{f' of tenant {scope.tenant!r}' if scope.tenant is not None else ''}; agents with "
+                            f"output there: {self.agents(scope)}")
+        if not output:
+            raise PlanError(f"agent {agent!r}'s latest output in session {scope.session!r} is empty: there is "
+                            "nothing to read; leave it out of the call")
+        return Segment.ph(output_slot(agent), output)
 
     def agents(self, scope: Scope) -> list[str]:
         with self._lock:

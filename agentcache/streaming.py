@@ -5,8 +5,9 @@ back what may still change: a character split across tokens (decoded as U+FFFD u
 a tail that could be the start of a stop string, and anything when decoding rewrote earlier
 text, so a streamed chunk never shows text the final result does not have.
 
-`stream_call` (a generator) and `astream_call` (an async generator, never blocking the event
-loop) run a call on a worker thread and bridge its tokens to the consumer; both adapters use them.
+`stream_call` (a generator; the call runs on a worker thread) and `astream_call` (an async
+generator over `Runtime.arun`, never blocking the event loop) bridge a call's tokens to the
+consumer; both adapters use them.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def stream_call(
 async def astream_call(
     runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None
 ) -> AsyncIterator["str | CallResult"]:
-    """`stream_call` for an event loop: the worker thread posts chunks to the loop, which keeps running."""
+    """`stream_call` for an event loop: the engine's thread posts chunks to the loop, which keeps running."""
     text = TextStream(runtime.engine.detokenize, sampling.stop)
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[Any] = asyncio.Queue()
@@ -125,7 +126,7 @@ async def astream_call(
         try:
             return await runtime.arun(call, sampling, event=event, on_token=on_token)
         finally:
-            # The worker's posts reach the loop in order, before the call's completion resumes us.
+            # The engine's posts reach the loop in order, before the call's completion resumes us.
             chunks.put_nowait(_DONE)
 
     task = asyncio.ensure_future(produce())

@@ -26,7 +26,8 @@ from statistics import median
 
 from _report import emit  # benchmarks/, the script's own folder
 from agentcache.engine.blocks import BlockPool
-from agentcache.engine.eviction import Dispatch, make_policy
+from agentcache.engine.eviction import Dispatch
+from agentcache.policies import make_policy
 from agentcache.scout import SurvivalPolicy, WorkloadSpec, generate, replay
 from agentcache.engine.cache_manager import CacheManager
 from agentcache.scout.trace_replay import serve

@@ -32,7 +32,8 @@ import sys
 import time
 
 from _report import emit  # benchmarks/, the script's own folder
-from agentcache.engine import EmbeddedEngine, EngineConfig, SamplingParams
+from agentcache.engine import EmbeddedEngine, EngineConfig, EvictionPolicy, SamplingParams
+from agentcache.policies import make_policy
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.scout import WorkloadSpec, generate
 from agentcache.segments import AgentCall, Segment
@@ -64,7 +65,7 @@ def run_selector(make_engine, args, block_size: int, quick_sessions: int = 10) -
     capacity = int((trace.max_request_blocks(block_size) + 1) * 1.25)
     runtimes = {}
     for name in CONFIGS:
-        engine = make_engine(name, capacity, "lru" if name == "lru" else "survival")
+        engine = make_engine(name, capacity, "lru" if name == "lru" else make_policy("survival"))
         runtimes[name] = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=name == "survival_prefetch"))
     first = runtimes[CONFIGS[0]].engine
     to_model = _vocab_mapper(first.vocab_size, first.bos_token_id)
@@ -101,7 +102,7 @@ def run_selector(make_engine, args, block_size: int, quick_sessions: int = 10) -
         "ttft_ratio_survival_prefetch_vs_lru": round(mean["survival_prefetch"] / mean["lru"], 3),
         "hit_rate": {n: round(cached[n] / prompt[n], 4) for n in CONFIGS},
         "warmups": runtimes["survival_prefetch"].summary()["warmups"],
-        "warmup_s": round(runtimes["survival_prefetch"].warmup_s, 2),  # engine time of warm-ups, between calls
+        "warmup_s": round(runtimes["survival_prefetch"].summary()["warmup_s"], 2),  # engine time of warm-ups, between calls
         "prefill_s": {n: round(sum(r.total_s for r in runtimes[n].results), 2) for n in CONFIGS},  # calls' own time
     }
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     base = EmbeddedEngine(args.model)
 
-    def make_engine(name: str, pool_blocks: int, eviction: str) -> EmbeddedEngine:
+    def make_engine(name: str, pool_blocks: int, eviction: str | EvictionPolicy) -> EmbeddedEngine:
         return base.with_config(EngineConfig(pool_blocks=pool_blocks, eviction=eviction))
 
     result = {"benchmark": "scout_ttft", **run_selector(make_engine, args, base.block_size)}

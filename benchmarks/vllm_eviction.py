@@ -23,6 +23,7 @@ import time
 from _report import emit  # benchmarks/, the script's own folder
 from scout_ttft import run_selector, selector_arguments
 
+from agentcache.engine import EvictionPolicy
 from agentcache.engine.vllm import VLLMConfig, VLLMEngine
 
 BLOCK_SIZE = 32
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
-    def make_engine(name: str, pool_blocks: int, eviction: str) -> VLLMEngine:
+    def make_engine(name: str, pool_blocks: int, eviction: str | EvictionPolicy) -> VLLMEngine:
         return VLLMEngine(args.model, VLLMConfig(pool_blocks=pool_blocks, eviction=eviction, instance=name,
                                                  block_size=BLOCK_SIZE))
 

@@ -43,12 +43,40 @@ def require_vllm() -> None:
         pytest.skip(message)
 
 
-# Every engine implementation the conformance suite runs: kind -> factory(preset, **settings), where
-# settings are pool_blocks, prefill_chunk, prefix_caching and max_batch (what each engine maps to its own).
+# Every engine implementation the conformance suite and the runtime's tests (`new_engine`) run:
+# kind -> factory(preset, **settings), where settings are pool_blocks, prefill_chunk, prefix_caching
+# and max_batch (what each engine maps to its own).
 ENGINE_KINDS = {"embedded": _embedded, "vllm": _vllm}
 # Marks per kind: vLLM's tests run in a pytest process of their own (scripts/test.sh), since a vLLM
 # engine fixes the process's torch threads once it starts.
 ENGINE_MARKS = {"vllm": [pytest.mark.vllm]}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "engine_kinds(*kinds, reason): runs only on these ENGINE_KINDS (the "
+                            "`engine_kind` fixture skips the others, showing the reason)")
+
+
+@pytest.fixture(params=[pytest.param(kind, marks=ENGINE_MARKS.get(kind, []), id=kind) for kind in ENGINE_KINDS])
+def engine_kind(request) -> str:
+    """Each engine kind in turn, the vLLM one in the `vllm`-marked process. A test that makes sense
+    on some kinds only says which and why: `@pytest.mark.engine_kinds("embedded", reason=...)`."""
+    only = request.node.get_closest_marker("engine_kinds")
+    if only is not None and request.param not in only.args:
+        pytest.skip(f"not on the {request.param} engine: {only.kwargs['reason']}")
+    return request.param
+
+
+@pytest.fixture
+def new_engine(engine_kind):
+    """A factory of engines of this test's kind, `new_engine(preset, **settings)`, each with an empty
+    cache; settings as `ENGINE_KINDS` takes them. A test that builds its engines through it runs
+    once per engine kind."""
+
+    def build(preset: str = "tiny-llama", **settings):
+        return ENGINE_KINDS[engine_kind](preset, **settings)
+
+    return build
 
 
 def engine_variant(engine, **settings):

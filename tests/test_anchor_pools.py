@@ -7,7 +7,8 @@ import torch
 
 from agentcache.correction.anchors import OLDEST_WINDOW, AnchorBank, Correction
 from agentcache.correction.lowrank import factorize
-from agentcache.correction.store import SegmentStore, common_prefix
+from agentcache.correction.store import SegmentStore
+from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope
 from agentcache.engine.kv import SegmentKV
 

@@ -59,14 +59,19 @@ def runtime(strategy="kvcmas", preset="tiny-llama", **config) -> Runtime:
 
 def record(rt: Runtime) -> list[tuple[AgentCall, object]]:
     """Every (call, result) the runtime runs, with the call's segment texts (results carry none)."""
-    seen, run = [], rt.run
+    seen, run, arun = [], rt.run, rt.arun
 
     def recording(call, *args, **kwargs):
         result = run(call, *args, **kwargs)
         seen.append((call, result))
         return result
 
-    rt.run = recording  # Runtime.arun runs self.run on a worker thread
+    async def arecording(call, *args, **kwargs):
+        result = await arun(call, *args, **kwargs)
+        seen.append((call, result))
+        return result
+
+    rt.run, rt.arun = recording, arecording
     return seen
 
 

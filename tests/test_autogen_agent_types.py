@@ -22,6 +22,7 @@ from autogen_ext.models.cache import ChatCompletionCache
 from agentcache.engine.embedded import EngineConfig
 from agentcache.engine.eviction import LRUPolicy
 from agentcache.errors import InputError
+from agentcache.policies import make_policy
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache_autogen import SELECTOR, AgentCacheChatCompletionClient, AgentCacheClientConfig
 from agentcache_autogen import config as client_config
@@ -211,13 +212,26 @@ def test_a_bad_config_is_refused_naming_the_problem(monkeypatch, config, problem
         ChatCompletionClient.load_component(spec)
 
 
+@pytest.mark.parametrize("policy", [LRUPolicy, lambda: make_policy("survival")])
+def test_a_policy_object_a_registry_name_builds_again_round_trips(policy):
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=64, eviction=policy()), config=RuntimeConfig(self_check=False))
+    spec = AgentCacheChatCompletionClient(rt).dump_component()
+    expected = rt.engine.eviction_policy.name
+    assert spec.config["engine"]["eviction"] == expected
+    spec.config["runtime_id"] = None  # build a new runtime from the config, not the live one
+    again = ChatCompletionClient.load_component(spec)
+    assert type(again.runtime.engine.eviction_policy) is type(rt.engine.eviction_policy)
+
+
 def test_runtimes_no_config_can_describe_are_refused_on_dump():
     from agentcache.models import load_model
     from agentcache.engine.embedded import EmbeddedEngine
 
-    by_object = Runtime(make_engine("tiny-llama", pool_blocks=64, eviction=LRUPolicy()),
+    from agentcache.scout import TTLPolicy
+
+    by_object = Runtime(make_engine("tiny-llama", pool_blocks=64, eviction=TTLPolicy(ttl=3)),
                         config=RuntimeConfig(self_check=False))
-    with pytest.raises(InputError, match="eviction policy object"):
+    with pytest.raises(InputError, match="eviction policy object"):  # no name builds a TTL of 3 again
         AgentCacheChatCompletionClient(by_object).dump_component()
     loaded = load_model("tiny-llama")
     loaded.name = "my-model"  # loaded by the caller, not a preset: nothing says how to load it again

@@ -90,7 +90,8 @@ def test_bad_input_raises_a_clear_error_before_any_work(run, error, fragment):
     if error is not TypeError:  # a Python-level signature error is not ours to word
         assert isinstance(raised.value, AgentCacheError)
     assert runtime.summary()["calls"] == calls and runtime.engine.pool.stats.lookups == lookups  # nothing ran
-    assert runtime.run(good_call(), SamplingParams(max_tokens=1)).text is not None  # and it stays usable
+    after = runtime.run(good_call(), SamplingParams(max_tokens=1))  # and it stays usable
+    assert len(after.token_ids) == 1 and runtime.summary()["calls"] == calls + 1
 
 
 @pytest.mark.parametrize("adapter, framework, extra", [

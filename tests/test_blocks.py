@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from agentcache.engine.blocks import BlockPool, block_hash
-from agentcache.engine.eviction import EVICTION_POLICIES, make_policy
 from agentcache.engine.kv import KVLayout
-from agentcache.errors import CapacityError
+from agentcache.errors import CapacityError, InputError
+from agentcache.policies import EVICTION_POLICIES, make_policy
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 BS = 4
@@ -113,12 +113,14 @@ def test_bad_capacity_is_refused():
         BlockPool(0, BS)
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         make_policy("fifo")
+    with pytest.raises(InputError, match=r"BlockPool.policy: unknown eviction policy 'survival'.*make_policy"):
+        BlockPool(4, BS, "survival")  # the pool knows the engine's own names only: hand it the object
 
 
 @pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
 def test_random_workload_respects_capacity_and_never_serves_evicted_kv(policy):
     rng = random.Random(7)
-    pool = BlockPool(24, BS, policy, LAYOUT)
+    pool = BlockPool(24, BS, make_policy(policy), LAYOUT)
     prefixes = [[rng.randrange(50) for _ in range(BS * rng.randint(1, 5))] for _ in range(12)]
     for step in range(400):
         tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(0, 9))]

@@ -94,9 +94,9 @@ def test_one_corrupt_store_entry_never_breaks_later_calls(corrupt):
     entry, _ = rt.corrector.store.find(Scope(), "query", rt.engine.tokenize(query), agent="planner")
     object.__setattr__(entry, corrupt, object() if corrupt == "kv" else None)
     results = [rt.run(role_call(agent, query), ONE) for agent in ("local", "critic", "local")]
-    assert all(r.text is not None for r in results)
     # a corrupt KV is caught when the source is checked, corrupt tokens when the store compares them
     assert results[0].segments[1].decision == ("fallback" if corrupt == "kv" else "first")
+    assert results[0].token_ids == runtime("nonshared").run(role_call("local", query), ONE).token_ids  # dense, exact
     assert entry.id not in {e.id for e in rt.corrector.store}
     assert rt.summary()["faults"] == ({"bad_source": 1} if corrupt == "kv" else {"corrupt_source": 1})
     assert results[1].segments[1].decision == "corrected"  # the next edge corrects from local's copy
@@ -113,7 +113,8 @@ def test_a_corrupt_anchor_is_dropped_and_the_source_kept():
     assert rt.corrector.bank.anchor((None, "query"), anchor.source_id) is None
     assert rt.corrector.store.find(Scope(), "query", rt.engine.tokenize(query), agent="planner") is not None
     again = chain(rt, text_of_length(rt.engine, 40, seed=7))
-    assert all(r.text is not None for r in again) and rt.summary()["faults"]["bad_anchor"] == 1  # once, not per call
+    assert [r.segments[1].decision for r in again] == ["first", "corrected", "corrected"]  # only that anchor lost
+    assert rt.summary()["faults"]["bad_anchor"] == 1  # once, not per call
 
 
 def test_summary_faults_hold_only_faults():
@@ -142,7 +143,9 @@ def test_a_self_check_that_raises_refuses_reuse(monkeypatch):
     monkeypatch.setattr("agentcache.selfcheck.check_model", broken)
     rt = Runtime(make_engine("tiny-llama", pool_blocks=64), strategy="kvcmas")
     assert rt.strategy.name == "nonshared" and "KeyError" in rt.refusal
-    assert rt.run(role_call("planner", "still works"), ONE).text is not None
+    call, sampling = role_call("planner", "still works"), SamplingParams(max_tokens=3, ignore_eos=True)
+    got, dense = rt.run(call, sampling), runtime("nonshared").run(call, sampling)
+    assert got.segments[1].decision == "off" and len(got.token_ids) == 3 and got.token_ids == dense.token_ids
 
 
 # --- bounded memory --------------------------------------------------------------------------------

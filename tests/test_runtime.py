@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from agentcache.isolation import Scope
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import CheckReport
-from tests.conftest import make_engine, text_of_length
+from tests.conftest import TINY_PRESETS, text_of_length
 
 ROLES = {
     "planner": "You plan the trip step by step.\n",
@@ -26,11 +27,17 @@ ONE = SamplingParams(max_tokens=1)
 NO_CHECK = RuntimeConfig(self_check=False, keep_kv=True)
 
 
-def runtime(strategy: str, preset: str = "tiny-llama", tau: float = 1.0, **config) -> Runtime:
-    """A runtime on a fresh engine; the gate is open (tau=1) unless asked, so that two anchors
-    per edge always give a correction and the tests do not depend on random-weight entropies."""
-    return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=tau),
-                   config=RuntimeConfig(self_check=False, keep_kv=True, **config))
+@pytest.fixture
+def runtime(new_engine):
+    """A factory of runtimes, each on a fresh engine of the test's kind (every test that takes it runs
+    on every engine kind); the gate is open (tau=1) unless asked, so that two anchors per edge always
+    give a correction and the tests do not depend on random-weight entropies."""
+
+    def build(strategy: str, preset: str = "tiny-llama", tau: float = 1.0, **config) -> Runtime:
+        return Runtime(new_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=tau),
+                       config=RuntimeConfig(self_check=False, keep_kv=True, **config))
+
+    return build
 
 
 def role_call(agent: str, query: str) -> AgentCall:
@@ -46,7 +53,7 @@ def warm(rt: Runtime, rounds: int = 2) -> None:
         chain(rt, text_of_length(rt.engine, 40, seed=100 + seed))
 
 
-def test_nonshared_is_dense_prefill_with_prefix_caching():
+def test_nonshared_is_dense_prefill_with_prefix_caching(runtime):
     rt, dense = runtime("nonshared"), runtime("nonshared")
     query = text_of_length(rt.engine, 30)
     first = chain(rt, query)
@@ -56,7 +63,7 @@ def test_nonshared_is_dense_prefill_with_prefix_caching():
     assert rt.summary()["reuse_ratio"] == 0.0
 
 
-def test_kvcmas_exact_first_agent_then_corrected_chain():
+def test_kvcmas_exact_first_agent_then_corrected_chain(runtime):
     rt, dense = runtime("kvcmas"), runtime("nonshared")
     warm(rt)
     inserted = rt.corrector.bank.inserted
@@ -77,7 +84,7 @@ def test_kvcmas_exact_first_agent_then_corrected_chain():
     assert figures["anchors"] > 0 and figures["anchor_bytes"] > 0
 
 
-def test_fan_out_reads_the_producer_when_the_source_is_named():
+def test_fan_out_reads_the_producer_when_the_source_is_named(runtime):
     rt = runtime("kvcmas")
     ROLES_FAN = {"writer": "You write.\n", "editor": "You edit.\n", "checker": "You check facts.\n"}
 
@@ -97,7 +104,7 @@ def test_fan_out_reads_the_producer_when_the_source_is_named():
 
 
 @pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-llama"])  # one KV head (views) and two
-def test_correcting_never_alters_the_source_cache(preset):
+def test_correcting_never_alters_the_source_cache(runtime, preset):
     rt, dense = runtime("kvcmas", preset), runtime("nonshared", preset)
     warm(rt)
     query = text_of_length(rt.engine, 40, seed=12)
@@ -109,7 +116,7 @@ def test_correcting_never_alters_the_source_cache(preset):
     assert torch.equal(source.kv.values, got[0].segment_kv[1].values)
 
 
-def test_correction_beats_raw_reuse_against_dense():
+def test_correction_beats_raw_reuse_against_dense(runtime):
     rt, raw, dense = runtime("kvcmas"), runtime("fullshared"), runtime("nonshared")
     warm(rt, rounds=3)
     errors = {"kvcmas": [], "fullshared": []}
@@ -123,13 +130,13 @@ def test_correction_beats_raw_reuse_against_dense():
 
 
 @pytest.mark.slow
-def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(gemma_engine):
+def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(new_engine):
     """Real weights: the chain's later agents and the fan-in outputs are corrected, each from its own
     source, and corrected shared KV is closer to dense prefill than raw reuse of the same source."""
     from agentcache.tasks import FourAgentWorkflow, fact_problem
 
     workflow = FourAgentWorkflow(role_tokens=6, final_tokens=6)
-    runs = {name: Runtime(gemma_engine.with_config(gemma_engine.config), strategy=STRATEGIES[name].replace(tau=1.0),
+    runs = {name: Runtime(new_engine("gemma3-270m", pool_blocks=256), strategy=STRATEGIES[name].replace(tau=1.0),
                           config=NO_CHECK)  # the gate open: this is about the correction path
             for name in ("kvcmas", "fullshared", "nonshared")}
     for seed in (100, 101):
@@ -150,8 +157,17 @@ def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(ge
     assert sum(errors["kvcmas"]) < sum(errors["fullshared"])
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
+def _strategies_by_engine():
+    """Every strategy; those that recompute part of the reused KV on the embedded engine only (the
+    Runtime refuses them on an engine without `supports_recompute`)."""
+    recompute = pytest.mark.engine_kinds("embedded", reason="recomputes part of the reused KV, which vLLM's "
+                                         "connector cannot do (it fills whole contiguous ranges)")
+    return [pytest.param(name, marks=recompute if STRATEGIES[name].recompute is not None else ())
+            for name in sorted(STRATEGIES)]
+
+
+@pytest.mark.parametrize("name", _strategies_by_engine())
+def test_every_strategy_runs_rounds_and_reports(runtime, name, tmp_path):
     rt = runtime(name)
     for seed in range(3):
         results = chain(rt, text_of_length(rt.engine, 30, seed=seed), SamplingParams(max_tokens=3))
@@ -182,7 +198,7 @@ def test_every_strategy_runs_rounds_and_reports(name, tmp_path):
     assert payload["summary"]["calls"] == 9 and len(payload["calls"]) == 9
 
 
-def test_the_entropy_gate_decides_with_recorded_entropies():
+def test_the_entropy_gate_decides_with_recorded_entropies(runtime):
     strict, open_ = runtime("kvcmas", tau=0.0), runtime("kvcmas", tau=1.0)
     for rt in (strict, open_):
         warm(rt, rounds=2)
@@ -193,7 +209,7 @@ def test_the_entropy_gate_decides_with_recorded_entropies():
     assert strict.summary()["fallback_reasons"]["gate"] == 2
 
 
-def test_own_lineage_prefix_hit_on_a_second_turn():
+def test_own_lineage_prefix_hit_on_a_second_turn(runtime):
     rt = runtime("kvcmas")
     warm(rt)
     query = text_of_length(rt.engine, 40, seed=9)
@@ -210,7 +226,7 @@ def test_own_lineage_prefix_hit_on_a_second_turn():
     assert figures["cached_tokens"] == sum(r.cached_tokens - r.lineage_tokens for r in rt.results)
 
 
-def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
+def test_corrupted_anchor_falls_back_to_dense_and_is_dropped(runtime):
     rt, dense = runtime("kvcmas"), runtime("nonshared")
     warm(rt)
     anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
@@ -226,7 +242,7 @@ def test_corrupted_anchor_falls_back_to_dense_and_is_dropped():
     assert rt.summary()["faults"]["nonfinite"] >= 1
 
 
-def test_mismatched_anchor_shape_falls_back():
+def test_mismatched_anchor_shape_falls_back(runtime):
     rt = runtime("kvcmas")
     warm(rt)
     anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
@@ -236,7 +252,7 @@ def test_mismatched_anchor_shape_falls_back():
     assert "bad_anchor" in reasons
 
 
-def test_mis_ranked_anchor_falls_back_instead_of_crashing():
+def test_mis_ranked_anchor_falls_back_instead_of_crashing(runtime):
     rt = runtime("kvcmas")
     warm(rt)
     anchor = next(iter(rt.corrector.bank.pool((None, "query")).anchors.values()))
@@ -246,7 +262,7 @@ def test_mis_ranked_anchor_falls_back_instead_of_crashing():
     assert anchor.source_id not in rt.corrector.bank.pool((None, "query")).anchors
 
 
-def test_corrected_blocks_stay_in_their_lineage():
+def test_corrected_blocks_stay_in_their_lineage(runtime):
     """A corrected segment is cached only for the same agent, runtime and session: another runtime
     on the same engine, or another session, gets exact blocks only and dense-exact KV."""
     rt = runtime("kvcmas")
@@ -265,7 +281,7 @@ def test_corrected_blocks_stay_in_their_lineage():
     assert kv_error(plain.segment_kv[1], dense.segment_kv[1]) < 1e-5
 
 
-def test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost():
+def test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost(runtime):
     rt = runtime("kvcmas")
     warm(rt)
     query = text_of_length(rt.engine, 40, seed=9)
@@ -280,7 +296,7 @@ def test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost():
     assert seg.decision in ("corrected", "fallback") and rt.corrector.bank.inserted == inserted
 
 
-def test_a_leading_shared_segment_gets_its_own_bos():
+def test_a_leading_shared_segment_gets_its_own_bos(runtime):
     rt = runtime("fullshared")
     query = text_of_length(rt.engine, 30, seed=10)
     first = rt.run(AgentCall(agent="a", segments=(Segment.ph("query", query), Segment.pf("\nA:"))), ONE)
@@ -290,7 +306,7 @@ def test_a_leading_shared_segment_gets_its_own_bos():
     assert second.segments[1].decision == "reused" and second.segments[1].source == "a"
 
 
-def test_missing_source_and_unknown_slot_prefill_densely():
+def test_missing_source_and_unknown_slot_prefill_densely(runtime):
     rt = runtime("kvcmas", store_bytes=1)  # no materialization fits: every source is missing
     results = chain(rt, text_of_length(rt.engine, 30))
     assert [r.segments[1].decision for r in results] == ["first"] * 3
@@ -300,13 +316,13 @@ def test_missing_source_and_unknown_slot_prefill_densely():
     assert (seg.decision, seg.reason) == ("fallback", "no_source")
 
 
-def test_anchor_budget_is_respected_in_a_run():
+def test_anchor_budget_is_respected_in_a_run(runtime):
     rt = runtime("kvcmas_fullrank", anchor_bytes=600_000)  # about two full-rank anchors of tiny-llama
     warm(rt, rounds=4)
     assert 0 < rt.corrector.bank.nbytes <= 600_000
 
 
-def test_corrupted_source_cache_is_removed_and_prefilled():
+def test_corrupted_source_cache_is_removed_and_prefilled(runtime):
     rt, dense = runtime("fullshared"), runtime("nonshared")
     query = text_of_length(rt.engine, 30, seed=5)
     chain(rt, query)
@@ -323,7 +339,7 @@ def test_corrupted_source_cache_is_removed_and_prefilled():
     assert torch.isfinite(newest.kv.values).all()
 
 
-def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
+def test_engine_rejecting_reused_kv_falls_back(runtime, monkeypatch):
     rt = runtime("fullshared")
     query = text_of_length(rt.engine, 30, seed=6)
     chain(rt, query)
@@ -333,7 +349,8 @@ def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
         decision = plan(*args, **kwargs)
         if decision.inject is not None:
             kv = decision.inject
-            decision.inject = type(kv)(torch.cat([kv.keys, kv.keys], 1), torch.cat([kv.values, kv.values], 1), kv.start)
+            return dataclasses.replace(decision, inject=type(kv)(torch.cat([kv.keys, kv.keys], 1),
+                                                                 torch.cat([kv.values, kv.values], 1), kv.start))
         return decision
 
     sources = []
@@ -350,7 +367,7 @@ def test_engine_rejecting_reused_kv_falls_back(monkeypatch):
     assert sources and sources[0] not in {e.id for e in rt.corrector.store}  # the refused source is never offered again
 
 
-def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():
+def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable(runtime):
     rt = runtime("kvcmas")
     with pytest.raises(ValueError, match="slot"):
         Segment(kind="ph", text="hello")
@@ -364,32 +381,39 @@ def test_bad_calls_raise_clear_errors_and_the_runtime_stays_usable():
         rt.output_segment("ghost", session=None)
     with pytest.raises(ContextLengthError):
         rt.run(AgentCall(agent="planner", segments=(Segment.ph("query", "x" * (rt.engine.max_context + 1)),)), ONE)
-    assert chain(rt, text_of_length(rt.engine, 20))[0].text is not None
+    # Usable: the errors left no trace, its next calls run as on a runtime that never saw them.
+    query, sampling = text_of_length(rt.engine, 20), SamplingParams(max_tokens=3, ignore_eos=True)
+    after, untouched = chain(rt, query, sampling), chain(runtime("kvcmas"), query, sampling)
+    assert all(len(r.token_ids) == 3 for r in after)
+    assert [(r.token_ids, [s.decision for s in r.segments]) for r in after] == \
+        [(r.token_ids, [s.decision for s in r.segments]) for r in untouched]
 
 
-def test_strategy_values_are_checked():
+def test_strategy_values_are_checked(new_engine):
     with pytest.raises(ValueError, match="unknown strategy"):
-        Runtime(make_engine("tiny-llama"), strategy="magic", config=NO_CHECK)
+        Runtime(new_engine("tiny-llama", pool_blocks=512), strategy="magic", config=NO_CHECK)
     with pytest.raises(ValueError, match="tau"):
         STRATEGIES["kvcmas"].replace(tau=2.0)
     with pytest.raises(ValueError, match="rank"):
         STRATEGIES["kvcmas"].replace(base_rank=0)
 
 
-def test_runtime_refuses_correction_on_a_model_that_fails_the_check():
+def test_runtime_refuses_correction_on_a_model_that_fails_the_check(new_engine):
     failed = CheckReport("tiny-llama", False, "correction makes shared KV worse", 1e-7, 0.5, 0.1, 4)
-    rt = Runtime(make_engine("tiny-llama"), strategy="kvcmas", check=failed)
+    rt = Runtime(new_engine("tiny-llama", pool_blocks=512), strategy="kvcmas", check=failed)
     assert rt.strategy.name == "nonshared" and "worse" in rt.refusal
     assert rt.summary()["requested_strategy"] == "kvcmas"
     assert chain(rt, text_of_length(rt.engine, 20))[1].segments[1].decision == "off"
 
 
-def test_only_shared_segments_kv_comes_back_from_the_engine(tiny_engine):
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_only_shared_segments_kv_comes_back_from_the_engine(new_engine, preset):
     """The corrector keeps PH segments' KV only: PF segments are not copied back, unless the runtime
     keeps every call's KV for measuring (`keep_kv`)."""
     requests = []
-    for keep in (False, True):
-        rt = Runtime(tiny_engine.fresh(), strategy="kvcmas", config=RuntimeConfig(self_check=False, keep_kv=keep))
+    for keep in (False, True):  # 64 blocks, as the conformance suite's engines: on vLLM they share one
+        rt = Runtime(new_engine(preset, pool_blocks=64), strategy="kvcmas",
+                     config=RuntimeConfig(self_check=False, keep_kv=keep))
         submit = rt.engine.submit
         rt.engine.submit = lambda request, submit=submit: (requests.append(request), submit(request))[1]
         rt.run(AgentCall(agent="a", segments=(Segment.pf("You plan. "), Segment.ph("query", "Go to Rome."),
@@ -399,12 +423,12 @@ def test_only_shared_segments_kv_comes_back_from_the_engine(tiny_engine):
     assert all(s.capture for s in kept.segments)
 
 
-def test_a_target_reuse_holds_the_gate_at_that_ratio():
+def test_a_target_reuse_holds_the_gate_at_that_ratio(new_engine):
     """`Strategy(target_reuse=...)` reads τ once `calibrate_after` eligible segments were planned,
     then holds the reuse ratio of the traffic that follows at the target (feedback and a reuse
     budget: `correction.calibration`); the budget's refusals are dense fallbacks like the gate's."""
     for target in (0.5, 0.8):
-        rt = Runtime(make_engine("tiny-llama", pool_blocks=512),
+        rt = Runtime(new_engine("tiny-llama", pool_blocks=512),
                      strategy=STRATEGIES["kvcmas"].replace(target_reuse=target, calibrate_after=8), config=NO_CHECK)
         for seed in range(4):  # 2 eligible segments per chain: calibrated during the fourth
             chain(rt, text_of_length(rt.engine, 40, seed=seed))
@@ -419,7 +443,7 @@ def test_a_target_reuse_holds_the_gate_at_that_ratio():
         assert after["gate_calibration"]["budget_refusals"] >= len(refused)
 
 
-def test_calibrating_without_gate_evaluations_is_a_clear_error():
+def test_calibrating_without_gate_evaluations_is_a_clear_error(runtime):
     rt = runtime("kvcmas")
     with pytest.raises(InputError, match="warm-up"):
         rt.calibrate_gate(0.8)
@@ -427,10 +451,11 @@ def test_calibrating_without_gate_evaluations_is_a_clear_error():
         runtime("fullshared").calibrate_gate(0.8)
 
 
-def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up():
+@pytest.mark.engine_kinds("embedded", reason="spies on the embedded engine's model runner and its warm-up chunk")
+def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up(new_engine):
     """It is on the first consumer's critical path: real priority and prefill chunks (a warm-up's
     small chunks made it several times slower), but no agent dispatch and no hit in the statistics."""
-    engine = make_engine("tiny-llama", pool_blocks=512, warmup_chunk=8)
+    engine = new_engine("tiny-llama", pool_blocks=512, warmup_chunk=8)
     rt = Runtime(engine, strategy="kvcmas_nonchained", config=NO_CHECK)
     seen, passes = [], []
     submit, forward = engine.submit, engine.runner.forward
@@ -444,7 +469,7 @@ def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up(
     assert stats.lookup_blocks == sum(len(r.token_ids) // engine.block_size for r in seen if r.owner != "<reference>")
 
 
-def test_new_anchors_are_factorized_with_no_runtime_lock_held():
+def test_new_anchors_are_factorized_with_no_runtime_lock_held(runtime):
     """Factorizing is the slow part of a commit: concurrent calls must be able to plan meanwhile."""
     rt = runtime("kvcmas", tau=0.0)  # the gate shut: every eligible segment falls back and teaches
     held, prepare = [], rt.corrector.prepare_anchor
@@ -455,3 +480,62 @@ def test_new_anchors_are_factorized_with_no_runtime_lock_held():
     warm(rt, rounds=2)
     assert held and not any(held)
     assert rt.corrector.bank.num_anchors > 0 and rt.summary()["anchor_build_s"] > 0
+
+
+def test_arun_matches_run_and_holds_no_thread_per_call(runtime):
+    """`arun` awaits the engine's future: many concurrent calls add no thread each, and each call
+    decides and generates what `run` does on a runtime that saw the same calls."""
+    import asyncio
+    import threading
+
+    sync_rt, async_rt = runtime("kvcmas"), runtime("kvcmas")
+    queries = [text_of_length(sync_rt.engine, 20, seed=40 + i) for i in range(6)]
+
+    def tenant_call(agent: str, i: int) -> AgentCall:  # a tenant per chain: chains share no state
+        return role_call(agent, queries[i]).model_copy(update={"tenant": f"t{i}"})
+
+    want = [[(r.token_ids, [s.decision for s in r.segments]) for r in [sync_rt.run(tenant_call(a, i), ONE)
+                                                                       for a in ROLES]] for i in range(len(queries))]
+    threads: list[int] = []
+
+    async def one_chain(i: int) -> list:
+        out = []
+        for agent in ROLES:  # each chain in order; the chains of different tenants run together
+            out.append(await async_rt.arun(tenant_call(agent, i), ONE))
+            threads.append(threading.active_count())
+        return out
+
+    async def main():
+        return await asyncio.gather(*(one_chain(i) for i in range(len(queries))))
+
+    before = threading.active_count()
+    got = asyncio.run(main())
+    assert [[(r.token_ids, [s.decision for s in r.segments]) for r in results] for results in got] == want
+    assert max(threads) <= before + 3  # the engine's loop and the runtime's two workers, not one per call
+    assert async_rt.summary()["calls"] == len(queries) * len(ROLES) and not async_rt._flying
+
+
+def test_a_cancelled_arun_still_runs_its_call_to_the_end(runtime):
+    """A caller that stops waiting (AutoGen's cancellation token) does not stop the call: like `run`
+    on a thread, it finishes, its output is the session's, and it leaves nothing in flight."""
+    import asyncio
+
+    rt = runtime("kvcmas")
+    query = text_of_length(rt.engine, 30, seed=9)
+
+    async def main():
+        task = asyncio.ensure_future(rt.arun(role_call("planner", query), SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0)  # planning has started on the runtime's worker
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(3000):  # the call goes on without its caller (30 s at most)
+            if rt.summary()["calls"]:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert rt.results[0].agent == "planner" and len(rt.results[0].token_ids) >= 1
+    assert rt.output_segment("planner", session=None).text == rt.results[0].text
+    assert not rt._flying  # nothing left in flight: warm-ups are not held back for ever
+    assert rt.run(role_call("local", query), ONE).segments[1].source == "planner"  # its source was recorded

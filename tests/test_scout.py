@@ -1,5 +1,6 @@
-"""CacheScout: eviction-policy conformance, bad input, learner, scorer, Survival policy, replay,
-trace files, and the runtime's warm-up on a tiny model."""
+"""CacheScout: the pool under its policies, bad input, learner, scorer, Survival policy, replay,
+trace files, and the runtime's warm-up on a tiny model. Every policy's ordering contract is
+checked by one suite: test_policy_conformance.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 
 from agentcache.engine import SamplingParams
 from agentcache.engine.blocks import BlockPool
-from agentcache.engine.eviction import Dispatch, make_policy
+from agentcache.engine.eviction import Dispatch
 from agentcache.errors import CapacityError, TraceError
+from agentcache.policies import make_policy
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.scout import (
     BeladyPolicy,
@@ -41,7 +43,6 @@ from tests.conftest import make_engine
 BS = 16
 SMALL = WorkloadSpec(topology="selector", sessions=6, turns=6, prefix_tokens=(64, 160), query_tokens=16,
                      output_tokens=16, seed=3)
-POLICIES = ["lru", "lfu", "ttl", "survival", "belady"]
 
 
 @lru_cache(maxsize=None)
@@ -50,11 +51,9 @@ def trace_of(spec: WorkloadSpec) -> Trace:
     return generate(spec)
 
 
-def policy_for(name: str, trace: Trace):
-    """A registry name for the pool, or Belady built from the very trace it will replay."""
-    if name == "belady":
-        return BeladyPolicy((trace.cached_tokens(r) for r in trace), BS)
-    return name
+def belady_for(trace: Trace) -> BeladyPolicy:
+    """Belady built from the very trace it will replay."""
+    return BeladyPolicy((trace.cached_tokens(r) for r in trace), BS)
 
 
 def tight(trace: Trace) -> int:
@@ -62,7 +61,7 @@ def tight(trace: Trace) -> int:
     return trace.max_request_blocks(BS) + 3
 
 
-# --- 1. conformance: every policy keeps the pool's invariants ---------------------------------
+# --- 1. the pool under the policies (each policy's own contract: test_policy_conformance.py) ---------
 
 
 def assert_consistent(pool: BlockPool) -> None:
@@ -77,82 +76,6 @@ def assert_consistent(pool: BlockPool) -> None:
         assert b.parent is None or id(b.parent) in members, f"block {b.block_id} outlived its parent"
         assert pool.get(b.block_hash) is b
         assert b.num_children == sum(1 for c in blocks if c.parent is b)
-
-
-def drive(trace: Trace, policy, capacity: int, *, flush_every: int = 0):
-    """Replay `trace` by hand through a tensor-free pool, checking invariants after every request.
-
-    Every `flush_every`-th request (0: never) evicts everything evictable while the request holds its
-    blocks. Returns (cached prompt tokens, [(block id, hash) of every eviction in order], pool)."""
-    pool = BlockPool(capacity, BS, policy)
-    evictions: list[tuple[int, bytes]] = []
-    violations: list[str] = []
-    forget = pool.policy.forget
-
-    def spy(block):  # the pool tells the policy of every eviction: check it is an unheld leaf
-        if block.ref_count or block.num_children:
-            violations.append(f"evicted block {block.block_id} ref={block.ref_count} children={block.num_children}")
-        evictions.append((block.block_id, block.block_hash))
-        forget(block)
-
-    pool.policy.forget = spy
-    hits = 0
-    for i, r in enumerate(trace):
-        tokens = trace.cached_tokens(r)
-        full = len(tokens) // BS
-        visit = pool.begin_request(r.prompt, r.agent, session=r.session)
-        chain = pool.match(tokens[: len(r.prompt) - 1])
-        pool.acquire(chain, visit=visit)
-        held = list(chain)
-        pool.reserve(full - len(chain))
-        assert all(b in pool.blocks() for b in held), "reserve evicted a held block"
-        parent = chain[-1] if chain else None
-        for k in range(len(chain), full):
-            parent = pool.store(parent, tokens[k * BS : (k + 1) * BS], owner=r.agent, visit=visit)
-            held.append(parent)
-        if flush_every and i % flush_every == 0:
-            pool.evict(pool.num_evictable)
-            assert {id(b) for b in pool.blocks()} == {id(b) for b in held}, "flush left unheld or lost held blocks"
-            assert pool.num_evictable == 0
-            with pytest.raises(CapacityError):
-                pool.evict(1)
-        assert all(b in pool.blocks() for b in held), "a held block was evicted during its request"
-        pool.end_request(visit)
-        pool.release(held)
-        hits += len(chain) * BS
-        assert_consistent(pool)
-        assert len(pool.match(tokens)) == full, "a request that fits was not fully cached"
-    assert not violations, violations[:3]
-    return hits, evictions, pool
-
-
-@pytest.mark.parametrize("name", POLICIES)
-def test_policy_conformance_invariants(name):
-    """Under a tight capacity each policy evicts only unheld leaves and keeps the pool a valid tree."""
-    trace = trace_of(SMALL)
-    hits, evictions, pool = drive(trace, policy_for(name, trace), tight(trace))
-    assert evictions, "the capacity was meant to force evictions"
-    assert hits > 0, "agent prefixes are shared across sessions: some hits are expected"
-    assert pool.stats.hit_blocks * BS == hits
-    assert pool.stats.evictions == len(evictions)
-
-
-@pytest.mark.parametrize("name", POLICIES)
-def test_policy_never_evicts_held_blocks(name):
-    """Evicting everything evictable mid-request leaves exactly the request's held chain."""
-    trace = trace_of(SMALL)
-    drive(trace, policy_for(name, trace), tight(trace), flush_every=3)
-
-
-@pytest.mark.parametrize("name", POLICIES)
-def test_policy_replay_is_deterministic(name):
-    """Two replays with fresh policies: same hits, same eviction sequence (ids and blocks)."""
-    trace = trace_of(SMALL)
-    first = drive(trace, policy_for(name, trace), tight(trace))
-    second = drive(trace, policy_for(name, trace), tight(trace))
-    assert first[0] == second[0]
-    assert first[1] == second[1]
-    assert replay(trace, policy_for(name, trace), tight(trace)) == replay(trace, policy_for(name, trace), tight(trace))
 
 
 def test_store_never_evicts_its_own_parent():
@@ -252,9 +175,9 @@ def test_belady_on_a_different_trace():
     # different seeds draw different prefix lengths, so the token ids of the blocks differ
     assert {trace.cached_tokens(r)[:BS * 5] for r in trace} != {other.cached_tokens(r)[:BS * 5] for r in other}
     with pytest.raises(TraceError, match="not in Belady's trace"):
-        replay(other, policy_for("belady", trace), tight(other))
+        replay(other, belady_for(trace), tight(other))
     with pytest.raises(ValueError, match="16-token blocks"):
-        BlockPool(8, 8, policy_for("belady", trace))
+        BlockPool(8, 8, belady_for(trace))
 
 
 def test_acquire_release_foreign_block():
@@ -283,14 +206,6 @@ def test_bad_policies_and_configs():
         WorkloadSpec(topology="ring")
     with pytest.raises(ValueError):
         TTLPolicy(ttl=0)
-
-
-@pytest.mark.parametrize("factory", [SurvivalPolicy, TTLPolicy, lambda: policy_for("belady", trace_of(SMALL))])
-def test_policy_object_serves_one_pool(factory):
-    policy = factory()
-    BlockPool(8, BS, policy)
-    with pytest.raises(ValueError, match="already serves a block pool"):
-        BlockPool(8, BS, policy)
 
 
 def test_replay_warmup_needs_survival():
@@ -651,7 +566,7 @@ def cyclic_call(agent: str, round_: int) -> AgentCall:
 def run_cycle(warmup: bool, rounds: int = 3, eviction: str = "survival"):
     """A->B->C `rounds` times on a 6-block pool (two agents' calls fill it); returns (runtime, results, recorder)."""
     recorder = TraceRecorder()
-    rt = Runtime(make_engine("tiny-llama", pool_blocks=6, eviction=eviction), strategy="nonshared",
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=6, eviction=make_policy(eviction)), strategy="nonshared",
                  config=RuntimeConfig(warmup=warmup), recorder=recorder)
     results = []
     for r in range(rounds):
@@ -702,7 +617,7 @@ def test_runtime_warmup_turns_evicted_prefixes_into_hits():
 def test_runtime_warmup_with_lru_engine_uses_its_own_learner():
     """An engine policy without a learner: the runtime learns dispatches itself and still warms up."""
     rt, results, _ = run_cycle(warmup=True, rounds=2, eviction="lru")
-    assert rt._own_learner is not None and rt._own_learner.dispatches == len(results)
+    assert rt.scout.own_learner is not None and rt.scout.own_learner.dispatches == len(results)
     assert rt.summary()["warmups"]["issued"] >= 1
     assert rt.engine.pool.stats.lookups == len(results)
 
@@ -726,7 +641,7 @@ def test_with_config_gives_each_engine_a_fresh_policy_with_the_same_settings():
 
 def test_runtime_self_check_does_not_teach_the_users_policy():
     """The self-check probes run on engines of their own: no dispatch, no block in the user's pool."""
-    engine = make_engine("tiny-llama", pool_blocks=64, eviction="survival")
+    engine = make_engine("tiny-llama", pool_blocks=64, eviction=make_policy("survival"))
     rt = Runtime(engine, strategy="kvcmas")
     assert rt.strategy.name == "kvcmas"
     assert engine.pool.policy.learner.dispatches == 0 and engine.pool.num_used == 0
@@ -735,7 +650,7 @@ def test_runtime_self_check_does_not_teach_the_users_policy():
 def test_a_call_arriving_during_a_warmup_preempts_it():
     """A warm-up is a low-priority engine request: a call arriving while one runs (the only batch
     place taken) preempts it, and waits at most one warm-up pass."""
-    engine = make_engine("tiny-llama", pool_blocks=6, eviction="survival", max_batch=1, warmup_chunk=1)
+    engine = make_engine("tiny-llama", pool_blocks=6, eviction=make_policy("survival"), max_batch=1, warmup_chunk=1)
     rt = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=True))
     forward, warming = engine.runner.forward, threading.Event()
 
@@ -760,7 +675,7 @@ def test_a_call_arriving_during_a_warmup_preempts_it():
             break
         else:
             pytest.fail(f"no warm-up ran: {rt.summary()['warmups']}")
-    assert rt._warmup.done()  # leaving the `with` block waited for the warm-up
+    assert rt.scout._warmup.done()  # leaving the `with` block waited for the warm-up
     assert rt.summary()["warmups"]["preempted"] >= 1 and engine.scheduler.preempted >= 1
     assert rt.summary()["warmup_faults"] == 0
     assert engine.pool.num_evictable == engine.pool.num_used  # the preempted warm-up left nothing held
@@ -769,12 +684,12 @@ def test_a_call_arriving_during_a_warmup_preempts_it():
 def test_no_warmups_when_the_engine_does_not_cache_prefixes(caplog):
     rt = Runtime(make_engine("tiny-llama", pool_blocks=16, prefix_caching=False), strategy="nonshared",
                  config=RuntimeConfig(warmup=True))
-    assert rt.warmup_coordinator is None and "warm-up is off" in caplog.text
+    assert rt.scout.coordinator is None and "warm-up is off" in caplog.text
 
 
 def test_reference_prefills_are_not_agent_dispatches():
     """KVComm's context-free reference prefill is internal work: the learner never sees '<reference>'."""
-    rt = Runtime(make_engine("tiny-llama", pool_blocks=256, eviction="survival"), strategy="kvcomm",
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=256, eviction=make_policy("survival")), strategy="kvcomm",
                  config=RuntimeConfig(self_check=False))
     calls = 0
     for r in range(2):

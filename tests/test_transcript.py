@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from conftest import chatml_engine, make_engine
 
-from agentcache import AgentCall, Runtime, RuntimeConfig, SamplingParams, Segment
+from agentcache import AgentCall, Runtime, RuntimeConfig, SamplingParams, Segment, make_policy
 from agentcache.errors import PlanError
 from agentcache.segments import DispatchEvent
 from agentcache.streaming import TextStream
@@ -126,7 +126,7 @@ def test_calls_under_way_hold_back_warmups():
 
     from agentcache import RuntimeConfig
 
-    engine = make_engine("tiny-llama", pool_blocks=128, eviction="survival")
+    engine = make_engine("tiny-llama", pool_blocks=128, eviction=make_policy("survival"))
     rt = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=True))
     slow = threading.Event()
 

@@ -1,82 +1,23 @@
-"""The in-process vLLM engine: the runtime on it, equality with the embedded engine, the KV
-connector, salts, the version gate. The Engine conformance suite runs on it too
-(`test_engine_conformance.py`, kind "vllm"). All marked `vllm`: scripts/test.sh runs them in a
-pytest process of their own."""
+"""The in-process vLLM engine: equality with the embedded engine, the KV connector, salts, the
+version gate. The Engine conformance suite (`test_engine_conformance.py`) and the runtime's tests
+(`test_runtime.py`, `test_kvcomm.py`, through the `new_engine` fixture) run on it too, as kind
+"vllm". All marked `vllm`: scripts/test.sh runs them in a pytest process of their own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import tests.test_kvcomm as kvcomm_tests
-import tests.test_runtime as runtime_tests
-from agentcache.engine import EmbeddedEngine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
-from tests.conftest import TINY_PRESETS, make_engine, require_vllm, text_of_length
+from agentcache.engine import ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
+from agentcache.policies import make_policy
+from tests.conftest import ENGINE_KINDS, TINY_PRESETS, make_engine, require_vllm, text_of_length
 
 pytestmark = pytest.mark.vllm
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def vllm_engine(preset: str, **settings):
-    from agentcache.engine.vllm import VLLMConfig, VLLMEngine
-
-    require_vllm()
-    return VLLMEngine(preset, VLLMConfig(**settings))
-
-
-@pytest.fixture
-def on_vllm(monkeypatch):
-    """Run a module's tests with every `make_engine` building a vLLM engine instead; yields the
-    engines built."""
-    built = []
-
-    def build(preset, **settings):
-        built.append(vllm_engine(preset, **settings))
-        return built[-1]
-
-    def use_vllm(*modules):
-        for module in modules:
-            monkeypatch.setattr(module, "make_engine", build)
-        return built
-
-    return use_vllm
-
-
-# --- the same runtime on vLLM ---------------------------------------------------------------------
-
-RUNTIME_TESTS = [
-    "test_nonshared_is_dense_prefill_with_prefix_caching",
-    "test_kvcmas_exact_first_agent_then_corrected_chain",
-    "test_fan_out_reads_the_producer_when_the_source_is_named",
-    "test_own_lineage_prefix_hit_on_a_second_turn",
-    "test_corrected_blocks_stay_in_their_lineage",
-    "test_corrupted_anchor_falls_back_to_dense_and_is_dropped",
-    "test_a_prefix_hit_reaching_into_a_shared_segment_is_split_not_lost",
-    "test_missing_source_and_unknown_slot_prefill_densely",
-]
-
-
-@pytest.mark.parametrize("name", RUNTIME_TESTS)
-def test_runtime_behaves_the_same_on_vllm(on_vllm, name):
-    built = on_vllm(runtime_tests)
-    getattr(runtime_tests, name)()
-    assert built and all(type(engine).__name__ == "VLLMEngine" for engine in built)
-
-
-KVCOMM_TESTS = [
-    "test_the_gate_runs_once_per_segment_and_every_consumer_follows_it",
-    "test_a_reused_call_prefills_only_its_last_token_the_template_text_corrected",
-    "test_template_text_no_anchor_saw_is_prefilled_and_the_segment_still_reused",
-]
-
-
-@pytest.mark.parametrize("name", KVCOMM_TESTS)
-def test_kvcomm_procedure_runs_on_vllm(on_vllm, monkeypatch, name):
-    built = on_vllm(kvcomm_tests)
-    test = getattr(kvcomm_tests, name)
-    test(*[monkeypatch] * test.__code__.co_argcount)
-    assert built and all(type(engine).__name__ == "VLLMEngine" for engine in built)
+vllm_engine = ENGINE_KINDS["vllm"]  # vllm_engine(preset, **VLLMConfig settings), skipped where vLLM is absent
 
 
 # --- vLLM against the embedded engine ---------------------------------------------------------
@@ -239,7 +180,8 @@ def test_an_untested_vllm_version_is_refused(monkeypatch):
 def _cycle_hits(eviction: str, rounds: int = 6) -> list[int]:
     """A -> B -> C -> A ... in one session, on a pool that holds the running call and one other
     agent's prefix: the prefix hit of every call after the first round."""
-    engine = vllm_engine("tiny-llama", pool_blocks=12, eviction=eviction, instance="cycle")
+    engine = vllm_engine("tiny-llama", pool_blocks=12, eviction=eviction if eviction == "lru" else make_policy(eviction),
+                         instance=f"cycle-{eviction}")
     prefixes = {agent: engine.tokenize(f"System for {agent}: " + text_of_length(engine, 26, seed=i), bos=True)
                 for i, agent in enumerate("ABC")}
     hits = []
@@ -267,7 +209,7 @@ def _warmup_cycle(warmup: bool, rounds: int = 3):
     prefix 3): returns the runtime and its results."""
     from agentcache import AgentCall, Runtime, RuntimeConfig, Segment
 
-    engine = vllm_engine("tiny-llama", pool_blocks=8, eviction="survival", instance=f"warmup={warmup}")
+    engine = vllm_engine("tiny-llama", pool_blocks=8, eviction=make_policy("survival"), instance=f"warmup={warmup}")
     rt = Runtime(engine, strategy="nonshared", config=RuntimeConfig(warmup=warmup, self_check=False))
     system = {agent: tuple(range(10 + 60 * i, 105 + 60 * i)) for i, agent in enumerate("ABC")}  # + BOS: 3 blocks
     results = []

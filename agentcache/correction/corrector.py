@@ -1,12 +1,15 @@
-"""The chained corrector: decides how each shared (PH) segment of a call is materialized.
+"""The chained corrector (KVCMAS and its ablations, FullShared, NonShared): decides how each
+shared (PH) segment of a call is materialized, one segment at a time.
 
-Before a call, `plan` looks up the segment's source cache, re-aligns it to canonical positions,
-and either hands back KV to inject (corrected, or raw for FullShared) or asks for dense prefill.
-After the call, `commit` records what the segment became (the source of the next edge) and,
+Before a call, `plan_call` asks the prefix cache what it already serves and `plan` decides each
+remaining PH segment: look up its source cache (`sources`), re-align it to canonical positions,
+and either hand back KV to inject (corrected, or raw for FullShared) or ask for dense prefill.
+After the call, `settle` records what each segment became (the source of the next edge) and,
 after a dense fallback, inserts the observed correction Δ = C_dense − Align(C_source) as an
-anchor. Any fault (any exception while planning, a corrupt anchor or source, NaN) falls back to
-dense and is counted in `faults`; a corrupt anchor or source is removed so that it stops poisoning
-later calls. A fault while building an anchor after the call loses only that anchor.
+anchor (built by `prepare` with no lock held). Any fault (any exception while planning, a corrupt
+anchor or source, NaN) falls back to dense and is counted in `faults`; a corrupt anchor or source
+is removed so that it stops poisoning later calls. A fault while building an anchor after the
+call loses only that anchor.
 
 Sources are looked up in the caller's scope (its tenant's session) only; anchor pools are per
 tenant and slot, shared by the tenant's sessions.
@@ -17,31 +20,39 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
-from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.calibration import CALIBRATION_WINDOW, ReuseController
+from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
-from agentcache.correction.selective import LayerProfile, layer_count, token_plan
-from agentcache.correction.store import Materialization, SegmentStore, common_prefix
+from agentcache.correction.plan import Piece, Planned, PHDecision, Served, SharedContextStrategy, TokenizedCall
+from agentcache.correction.sources import SourceFinder
+from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import (Engine, ExecRequest, LayerRecompute, SamplingParams, SegmentPlan, Step,
-                                       TokenRecompute)
-from agentcache.isolation import Scope, tenant_salt
+from agentcache.engine.protocol import Engine, SegmentPlan, Step
+from agentcache.engine.tokens import common_prefix
+from agentcache.errors import InputError
+from agentcache.isolation import Scope
 
-__all__ = ["Corrector", "PHDecision", "PreparedAnchor", "REFERENCE", "NEUTRAL_LEAD_IN"]
+__all__ = ["Corrector", "PreparedAnchor", "UsedAnchors"]
 
 log = logging.getLogger(__name__)
 
-REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
-NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
+
+
+@dataclass(frozen=True)
+class UsedAnchors:
+    """A correction's `PHDecision.detail`: the anchors it interpolated (credited a use when it is served)."""
+
+    anchors: tuple[Anchor, ...]
 
 
 @dataclass(frozen=True)
@@ -53,66 +64,121 @@ class PreparedAnchor:
     error: BaseException | None = None
 
 
-@dataclass
-class PHDecision:
-    """How one PH segment is materialized in a call."""
-
-    # "first" (no source: dense), "corrected", "reused" (raw), "recomputed" (selective), "fallback" (dense), "off"
-    decision: str
-    reason: str | None = None  # why it fell back
-    source: Materialization | None = None
-    covered: int = 0  # leading tokens served by `inject`
-    inject: SegmentKV | None = None  # canonical positions (start 0); the engine re-aligns it
-    entropy: float | None = None
-    anchors: list[Anchor] = field(default_factory=list, repr=False)  # the anchors a correction used
-    plan_s: float = 0.0  # time spent planning (inside TTFT)
-    recompute: TokenRecompute | LayerRecompute | None = None  # what the engine rebuilds of `inject`
-    # KVCOMM's procedure (`correction.kvcomm`): how the template text after the segment is corrected
-    glue: object | None = field(default=None, repr=False)
-    learn: bool = False  # KVCOMM: the segment is an anchor; this consumer's dense prefill adds its correction
-    setup_s: float = 0.0  # inside TTFT: reference and template prefills and the gate (KVCOMM leaves them out)
-
-    @property
-    def reused(self) -> bool:
-        return self.inject is not None
-
-
-class Corrector:
+class Corrector(SharedContextStrategy):
     def __init__(self, engine: Engine, strategy: Strategy, anchor_bytes: int, store_bytes: int) -> None:
         self.engine = engine
         self.strategy = strategy
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
+        self.sources = SourceFinder(engine, self.store, strategy.chained)
         self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
-        self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
         self.tau = strategy.tau  # the gate's threshold; `reuse_control` sets it for a target reuse ratio
         # planned segments that had a source: (gate entropy, or None when the gate was not reached; tokens)
         self.gate_log: deque[tuple[float | None, int]] = deque(maxlen=GATE_LOG)
         self.reuse_control: ReuseController | None = None  # from the first calibration on
         self.planned = 0  # segments ever logged in gate_log
         self.anchor_build_s = 0.0
-        self.reference_s = 0.0  # context-free reference prefills (non-chained), on consumers' critical paths
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
         """Count and log one fault (`kind` is what summary()["faults"] reports)."""
         self.faults[kind] += 1
         log.warning("%s: %s%s", kind, what, f" ({type(exc).__name__}: {exc})" if exc is not None else "")
 
-    # --- before the call -------------------------------------------------------------------
+    # --- a call ----------------------------------------------------------------------------
+
+    def plan_call(self, call: TokenizedCall, *, lineage: str, namespace: str | None,
+                  capture_all: bool = False) -> Planned:
+        """Decide every PH segment the prefix cache does not already serve. A reused segment is
+        injected whole: the engine serves from its prefix cache whatever it holds of it at
+        admission; the prefix cache is asked here only as a hint, to skip correcting what it
+        covers. Only PH segments' KV comes back from the engine, unless `capture_all`."""
+        covered = self.engine.cached_prefix_length(call.prompt, lineage=lineage, cache_salt=namespace)  # a hint
+        decisions: dict[int, PHDecision] = {}
+        pieces: list[Piece] = []
+        for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
+            pos = call.starts[index]
+            if seg.kind == "ph" and pos + len(tokens) > covered:
+                decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source)
+                if decision.reused and decision.covered > covered - pos:
+                    decisions[index] = decision
+                    pieces.extend(Piece(index, plan) for plan in self._injected(seg.slot, tokens, decision))
+                    continue
+                if decision.reused:  # the prefix cache already serves what the source covers
+                    decision = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+                decisions[index] = decision
+            pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX,
+                                                   capture=capture_all or seg.kind == "ph")))
+        return Planned(tuple(pieces), MappingProxyType(decisions))
+
+    def _injected(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:
+        """A reused segment's engine segments: its covered part injected (the engine re-aligns it
+        from canonical start 0), the rest prefilled."""
+        cover = decision.covered
+        plans = [SegmentPlan(slot, tokens[:cover], Step.INJECT, decision.inject.slice(0, cover))]
+        if cover < len(tokens):
+            plans.append(SegmentPlan(slot, tokens[cover:], Step.PREFIX))
+        return plans
+
+    def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:
+        """The anchors `settle` would insert, per PH segment, built without changing anything: the
+        runtime factorizes them with no lock held, so other calls' planning does not wait for it."""
+        return {index: self.prepare_anchor(served.call.agent, tokens, decision, kv, kv is not None and kv.exact)
+                for index, _, tokens, decision, _, kv in served.shared()}
+
+    def settle(self, served: Served, prepared: Mapping[int, PreparedAnchor | None] | None = None) -> None:
+        """Record how each PH segment was materialized (with the anchors `prepare` built, when
+        given) and the agent's output. A fault while recording is counted and costs only what it
+        touched; the call's result stands."""
+        call, result = served.call, served.result
+        for index, seg, tokens, decision, how, kv in served.shared():
+            try:  # anchors learn only from KV known exact for this prompt (its digest says so)
+                self.commit(call.scope, call.agent, seg.slot, tokens, decision, kv, how,
+                            own_tokens_exact=kv is not None and kv.exact, hidden=served.hiddens[index],
+                            prepared=prepared.get(index) if prepared is not None else False)
+            except Exception as exc:  # noqa: BLE001
+                self.fault("commit_error", f"recording agent {call.agent!r}'s segment {seg.slot!r}", exc)
+        try:
+            self.record_output(call.scope, call.agent, result.token_ids[:-1], result.generated_kv,
+                               result.generated_hidden)
+        except Exception as exc:  # noqa: BLE001
+            self.fault("commit_error", f"recording agent {call.agent!r}'s output", exc)
+
+    def refused(self, decisions: Mapping[int, PHDecision], exc: BaseException, agent: str) -> None:
+        self.fault("engine_rejected", f"the engine refused reused KV for agent {agent!r}; prefilling densely", exc)
+        for decision in decisions.values():
+            if decision.reused and decision.source is not None:
+                self.store.remove(decision.source.id)
+
+    def figures(self) -> dict:
+        faults = dict(self.faults)
+        if self.store.dropped_corrupt:
+            faults["corrupt_source"] = self.store.dropped_corrupt
+        return dict(
+            anchors=self.bank.num_anchors, anchor_bytes=self.bank.nbytes, anchors_evicted=self.bank.evicted,
+            store_bytes=self.store.nbytes, store_entries=len(self.store), anchor_build_s=self.anchor_build_s,
+            gate_tau=self.tau, gate_calibration=self.calibrated,
+            faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
+        )
+
+    def forget(self, scope: Scope) -> None:
+        """A session ended: its source caches go."""
+        self.store.drop_scope(scope)
+
+    # --- one shared segment, before the call -----------------------------------------------
 
     def plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
              source: str | None = None, *, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
         """How `agent` should materialize this PH segment; `source` pins the edge's source agent.
         `start`: where the segment sits in the call; `lead_in`: tokens (BOS first) a context-free
         reference prefill puts before the segment (default: BOS and a neutral newline)."""
-        started, references_before = time.perf_counter(), self.reference_s
+        started, references_before = time.perf_counter(), self.sources.reference_s
         try:
             decision = self._plan(scope, agent, slot, token_ids, source, start, lead_in)
         except Exception as exc:  # noqa: BLE001 - never serve a cache a fault touched: prefill
             self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
-        decision.plan_s = time.perf_counter() - started
-        decision.setup_s += self.reference_s - references_before
+        decision = replace(decision, plan_s=time.perf_counter() - started,
+                           setup_s=decision.setup_s + self.sources.reference_s - references_before)
         if decision.source is not None and self.strategy.correct:
             self._log_gate(decision, len(token_ids))
         return decision
@@ -135,8 +201,13 @@ class Corrector:
         read from the gate entropies of the latest `recent` eligible segments (all that are kept by
         default) and then follows every segment planned (`calibration.ReuseController`); returns τ.
         Needs gate evaluations."""
+        if not self.strategy.correct:
+            raise InputError(f"strategy {self.strategy.name!r} has no correction gate to calibrate")
         history = list(self.gate_log)[-recent:] if recent else list(self.gate_log)
-        self.reuse_control = ReuseController(target, history)
+        try:
+            self.reuse_control = ReuseController(target, history)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         self.tau = self.reuse_control.tau
         log.info("gate held at reuse %.2f: tau = %.4f from %d segments", target, self.tau, len(history))
         return self.tau
@@ -150,7 +221,7 @@ class Corrector:
               source_agent: str | None, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
         if not self.strategy.reuse:
             return PHDecision("off")
-        found = self._source(scope, slot, token_ids, source_agent, lead_in)
+        found = self.sources.find(scope, slot, token_ids, source_agent, lead_in)
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
@@ -163,8 +234,12 @@ class Corrector:
         except Exception:
             self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
             raise
-        if self.strategy.recompute is not None:
-            return self._selective(scope, source, shared, aligned)
+        return self._reuse(scope, agent, slot, source, shared, aligned, start)
+
+    def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
+               aligned: SegmentKV, start: int) -> PHDecision:
+        """The decision for a sound source whose first `shared` tokens, re-aligned to canonical
+        positions, are `aligned`: raw reuse (FullShared) or a correction."""
         if not self.strategy.correct:
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
         try:
@@ -177,40 +252,6 @@ class Corrector:
                 self.bank.drop((scope.tenant, slot), anchor)
             raise
 
-    def _selective(self, scope: Scope, source: Materialization, shared: int, aligned: SegmentKV) -> PHDecision:
-        """CacheBlend or DroidSpeak: reuse the aligned source, the engine rebuilding 1 − ρ of it."""
-        s = self.strategy
-        if s.recompute == "tokens":
-            return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
-                              recompute=token_plan(s.rho, s.probe_layer))
-        profile = self._profile(scope)
-        if not profile.ready:
-            return PHDecision("fallback", reason="profiling", source=source)
-        if layer_count(s.rho, profile.num_layers) == 0:
-            return PHDecision("reused", source=source, covered=shared, inject=aligned)
-        hidden = source.hidden
-        if hidden is None or hidden.shape[0] < shared:
-            return PHDecision("fallback", reason="no_hidden_states", source=source)
-        return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
-                          recompute=profile.recompute(s.rho, hidden[:shared]))
-
-    def _profile(self, scope: Scope) -> LayerProfile:
-        profile = self.profiles.get(scope.tenant)
-        if profile is None:
-            profile = LayerProfile(self.engine.layout.num_layers, self.strategy.profile_transitions)
-            self.profiles[scope.tenant] = profile
-        return profile
-
-    def hidden_layer(self, scope: Scope) -> int | None:
-        """The decoder layer whose input hidden states a call should hand back (DroidSpeak's E cache,
-        once its layer group is known); None when the strategy needs none."""
-        s = self.strategy
-        if s.recompute != "layers" or not s.reuse:
-            return None
-        profile = self._profile(scope)
-        count = layer_count(s.rho, profile.num_layers)
-        return profile.group(count)[0] if profile.ready and count else None
-
     def _source_is_sound(self, source: Materialization) -> bool:
         """The stored KV fits the model and is finite; otherwise it is removed from the store."""
         kv = source.kv
@@ -221,39 +262,9 @@ class Corrector:
             sound = False
         if not sound:
             self.faults["bad_source"] += 1
-        if not sound:
             log.warning("removing source cache %s of slot %r: wrong shape or NaN/Inf", source.id, source.slot)
             self.store.remove(source.id)
         return sound
-
-    def _source(self, scope: Scope, slot: str, token_ids: Sequence[int],
-                agent: str | None, lead_in: Sequence[int] | None = None) -> tuple[Materialization, int] | None:
-        if self.strategy.chained:
-            return self.store.find(scope, slot, token_ids, agent=agent)
-        if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
-            return self.store.find(scope, slot, token_ids, agent=slot[4:])
-        found = self.store.find(scope, slot, token_ids, agent=REFERENCE)
-        if found is None or found[1] < len(token_ids):
-            entry = self._reference_prefill(scope, slot, token_ids, lead_in)
-            found = (entry, len(token_ids)) if entry is not None else found
-        return found
-
-    def _reference_prefill(self, scope: Scope, slot: str, token_ids: Sequence[int],
-                           lead_in: Sequence[int] | None = None) -> Materialization | None:
-        """Prefill the segment after `lead_in` (BOS and a neutral newline by default), outside the
-        workflow (non-chained)."""
-        started = time.perf_counter()
-        lead = list(lead_in) if lead_in else self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
-        request = ExecRequest(
-            [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
-            # on the first consumer's critical path: a real request's priority and chunks, but no
-            # agent dispatch and no hit in the statistics
-            SamplingParams(max_tokens=1), owner=REFERENCE, internal=True,
-            cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
-        )
-        result = self.engine.execute(request)
-        self.reference_s += time.perf_counter() - started
-        return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
 
     def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV,
                  start: int = 0) -> PHDecision:
@@ -302,7 +313,7 @@ class Corrector:
             self._drop_non_finite(pool_key, compatible)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
         return PHDecision("corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
-                          entropy=entropy, anchors=compatible)
+                          entropy=entropy, detail=UsedAnchors(tuple(compatible)))
 
     def _drop_non_finite(self, pool_key: tuple, anchors: list[Anchor]) -> None:
         self.faults["nonfinite"] += 1
@@ -311,16 +322,15 @@ class Corrector:
                 log.warning("dropping anchor %s of slot %r: it holds NaN or Inf", anchor.source_id, pool_key[1])
                 self.bank.drop(pool_key, anchor)
 
-    # --- after the call --------------------------------------------------------------------
+    # --- one shared segment, after the call ------------------------------------------------
 
     def prepare_anchor(self, agent: str, token_ids: Sequence[int], decision: PHDecision, kv: SegmentKV | None,
-                       own_tokens_exact: bool, glue: tuple | None = None) -> "PreparedAnchor | None":
+                       own_tokens_exact: bool) -> PreparedAnchor | None:
         """The anchor a commit of this segment would insert, built without changing anything (so the
         runtime can factorize outside its lock, off other calls' critical path); None when the
         segment teaches nothing. A fault while building is returned, to be counted at the commit.
         Only a dense fallback teaches the pool (accepted corrections are never inserted), and only
-        when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks).
-        `glue` is for KVCOMM's procedure (`KVCommCorrector`)."""
+        when its tokens were prefilled or exact prefix hits (not the lineage's maybe corrected blocks)."""
         if not (kv is not None and self.strategy.reuse and self.strategy.correct and own_tokens_exact
                 and decision.decision == "fallback" and decision.source is not None):
             return None
@@ -333,7 +343,7 @@ class Corrector:
 
     def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
                kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True,
-               hidden: torch.Tensor | None = None, prepared: "PreparedAnchor | None | bool" = False) -> None:
+               hidden: torch.Tensor | None = None, prepared: PreparedAnchor | None | bool = False) -> None:
         """Record what the segment became in the call (`how`), with its KV `kv`: the next edge's source
         and, after a dense fallback, a new anchor (`prepared` by `prepare_anchor`, or built here when
         False). A fault while building it loses only the anchor. `own_tokens_exact`: none of the
@@ -349,8 +359,6 @@ class Corrector:
             if prepared.error is not None:
                 self.fault("anchor_build_error", f"no anchor from agent {agent!r}'s fallback on slot {slot!r}",
                            prepared.error)
-        if decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
-            self._observe_layers(scope, decision.source, token_ids, kv)
         self._credit_uses(decision)
         if self.strategy.chained:
             self.store.put(scope, slot, agent, token_ids, kv, how, hidden=hidden)
@@ -361,27 +369,15 @@ class Corrector:
 
     def _credit_uses(self, decision: PHDecision) -> None:
         """A reused segment credits every anchor its correction used."""
-        for used in decision.anchors if decision.reused else ():
-            used.uses += 1
+        if decision.reused and isinstance(decision.detail, UsedAnchors):
+            for used in decision.detail.anchors:
+                used.uses += 1
 
     def record_output(self, scope: Scope, agent: str, token_ids: Sequence[int], kv: SegmentKV | None,
                       hidden: torch.Tensor | None = None) -> None:
         """An agent's decoded output becomes the source of its `out:<agent>` slot."""
         if kv is not None and token_ids and self.strategy.reuse:
             self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded", hidden=hidden)
-
-    def _observe_layers(self, scope: Scope, source: Materialization, token_ids: Sequence[int],
-                        dense: SegmentKV) -> None:
-        """DroidSpeak's profiling: how far each layer of the re-aligned source is from the dense target."""
-        shared = common_prefix(source.token_ids, token_ids)
-        profile = self._profile(scope)
-        if shared == 0 or profile.ready:
-            return
-        try:
-            profile.observe(self.engine.realign(source.kv.slice(0, shared), 0),
-                            self.engine.realign(dense.slice(0, shared), 0))
-        except Exception as exc:  # noqa: BLE001 - a transition lost to profiling, never the call
-            self.fault("profile_error", f"profiling the layers of slot {source.slot!r}", exc)
 
     def _build_anchor(self, agent: str, source: Materialization, token_ids: Sequence[int],
                       dense: SegmentKV) -> tuple | None:

@@ -34,22 +34,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
 from agentcache.correction.anchors import Anchor, Correction
-from agentcache.correction.corrector import REFERENCE, Corrector, PHDecision, PreparedAnchor, _fits
+from agentcache.correction.corrector import Corrector, PreparedAnchor, _fits
 from agentcache.correction.lowrank import Factors, as_rows, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, normalized_entropy
-from agentcache.correction.store import Materialization, common_prefix
-from agentcache.engine.kv import SegmentKV
+from agentcache.correction.plan import Piece, Planned, PHDecision, Served, TokenizedCall
+from agentcache.correction.sources import REFERENCE
+from agentcache.correction.store import Materialization
+from agentcache.engine.kv import SegmentKV, joined
 from agentcache.engine.protocol import ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["KVCommCorrector", "GlueWeights", "Verdict", "token_weights", "channel_weights", "credited",
-           "header_lead_in", "TOP_P"]
+__all__ = ["KVCommCorrector", "KVCommDetail", "GlueWeights", "Verdict", "token_weights", "channel_weights",
+           "credited", "header_lead_in", "TOP_P"]
 
 TOP_P = 0.9  # a passed gate credits the anchors holding this share of its weight
 HEADER_TOKENS = 8  # at most this many tokens of the line before a segment (a user-turn header's size) lead its reference prefill
@@ -74,6 +78,16 @@ class GlueWeights:
     anchors: list[Anchor]
     keys: torch.Tensor  # (n, L, F)
     values: torch.Tensor  # (n, L, F)
+
+
+@dataclass(frozen=True)
+class KVCommDetail:
+    """KVCOMM's `PHDecision.detail`: whether the segment is an anchor this consumer's dense prefill
+    teaches (`learn`), and for a correction, the anchors it used and how its template text is corrected."""
+
+    learn: bool = False
+    anchors: tuple[Anchor, ...] = ()
+    glue: GlueWeights | None = None
 
 
 def _dense(factors: Factors) -> torch.Tensor:
@@ -130,6 +144,113 @@ class KVCommCorrector(Corrector):
         self.templates: OrderedDict[tuple, list[SegmentKV | None]] = OrderedDict()
         self._templates_lock = threading.Lock()  # templates are also made after a call, with no runtime lock
 
+    # --- a call ---------------------------------------------------------------------------
+
+    def plan_call(self, call: TokenizedCall, *, lineage: str, namespace: str | None,
+                  capture_all: bool = False) -> Planned:
+        """KVCOMM's call: when every shared segment is reused, everything after the first one is
+        injected (shared segments corrected, the template text between them taken from the agent's
+        template prefill and corrected) but the last token, which is prefilled, and what no anchor
+        covers (a segment's tail past its source, template text no anchor has seen); otherwise the
+        whole call is prefilled densely, and the shared segments that are anchors learn from it."""
+        runs = _glue_runs(call.segments)
+        decisions: dict[int, PHDecision] = {}
+        for index in runs:
+            before = call.token_lists[index - 1] if index > 0 and call.segments[index - 1].kind == "pf" else ()
+            decisions[index] = self.plan(call.scope, call.agent, call.segments[index].slot, call.token_lists[index],
+                                         call.segments[index].source, start=call.starts[index],
+                                         lead_in=header_lead_in(self.engine, before))
+        injected = self._injection(call, runs, decisions)
+        if injected is None:
+            return self._dense_call(call, runs, decisions, capture_all)
+        pieces = []
+        last = len(call.segments) - 1
+        for i, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
+            kv = injected.get(i)
+            name = seg.slot if seg.kind == "ph" else seg.name
+            if kv is None:
+                pieces.append(Piece(i, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all)))
+                continue
+            keep = min(kv.length, len(tokens) - 1 if i == last else len(tokens))  # the call's last token is prefilled
+            capture = capture_all or seg.kind == "ph"
+            if keep:
+                pieces.append(Piece(i, SegmentPlan(name, tokens[:keep], Step.INJECT, kv.slice(0, keep), capture=capture)))
+            if keep < len(tokens):
+                pieces.append(Piece(i, SegmentPlan(name, tokens[keep:], Step.PREFIX, capture=capture)))
+            if seg.kind == "pf":
+                decisions[i] = PHDecision("corrected", covered=len(tokens), inject=kv)
+        return Planned(tuple(pieces), MappingProxyType(decisions))
+
+    @staticmethod
+    def _dense_call(call: TokenizedCall, runs: dict[int, list[int]], decisions: dict[int, PHDecision],
+                    capture_all: bool) -> Planned:
+        """The whole call prefilled; the template text after the first shared segment is captured
+        when an anchor segment learns from it."""
+        for index, decision in list(decisions.items()):
+            if decision.reused:
+                decisions[index] = replace(decision, decision="fallback", reason="call_dense", inject=None, covered=0,
+                                           detail=KVCommDetail(learn=_learns(decision)))
+        learning = any(_learns(d) for d in decisions.values())
+        first = min(runs, default=len(call.segments))
+        pieces = tuple(Piece(i, SegmentPlan(seg.name, tokens, Step.PREFIX,
+                                            capture=capture_all or seg.kind == "ph" or (learning and i > first)))
+                       for i, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)))
+        return Planned(pieces, MappingProxyType(decisions))
+
+    def _injection(self, call: TokenizedCall, runs: dict[int, list[int]],
+                   decisions: dict[int, PHDecision]) -> dict[int, SegmentKV] | None:
+        """The KV to inject per segment from the first shared one on, or None when the call runs densely.
+        Template text that no anchor has seen corrected (it changes from call to call) is prefilled."""
+        if not runs or not all(d.decision == "corrected" and d.covered > 0 for d in decisions.values()):
+            return None
+        injected: dict[int, SegmentKV] = {index: decisions[index].inject for index in runs}
+        glued = {index: tokens for index, run in runs.items()
+                 if run and self.glue_known(call.agent, decisions[index], tokens := _run_tokens(run, call.token_lists))}
+        if not glued:
+            return injected
+        started = time.perf_counter()
+        template = self.template(call.scope, call.agent, _template_shape(call))
+        first = min(runs)  # KVCOMM makes templates before the workflow
+        decisions[first] = replace(decisions[first], setup_s=decisions[first].setup_s + time.perf_counter() - started)
+        for index, tokens in glued.items():
+            run = runs[index]
+            glue = self.glue_kv(call.agent, decisions[index], tokens, joined([template[j] for j in run]),
+                                call.starts[run[0]])
+            if glue is None:
+                continue
+            offset = 0
+            for j in run:
+                injected[j] = glue.slice(offset, offset + len(call.token_lists[j]))
+                offset += len(call.token_lists[j])
+        return injected
+
+    def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:
+        """The anchor corrections the call's dense prefill teaches, segment and template text alike."""
+        glue = self._glue(served)
+        return {index: self.prepare_anchor(served.call.agent, tokens, decision, kv, kv is not None and kv.exact,
+                                           glue=glue.get(index))
+                for index, _, tokens, decision, _, kv in served.shared()}
+
+    def _glue(self, served: Served) -> dict[int, tuple]:
+        """Per anchor segment the call learns from: its template text's tokens, dense KV and template KV."""
+        learning = [i for i, d in served.decisions.items() if _learns(d)]
+        if not learning:
+            return {}
+        call = served.call
+        runs = _glue_runs(call.segments)
+        template = None
+        glue = {}
+        for index in learning:
+            run = runs.get(index, [])
+            if not run:
+                glue[index] = ((), None, None)
+                continue
+            if template is None:
+                template = self.template(call.scope, call.agent, _template_shape(call))
+            glue[index] = (tuple(_run_tokens(run, call.token_lists)), joined([served.kvs[j] for j in run]),
+                           joined([template[j] for j in run]))
+        return glue
+
     # --- one shared segment ----------------------------------------------------------------
 
     def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV,
@@ -143,7 +264,7 @@ class KVCommCorrector(Corrector):
             anchor = self.bank.anchor(pool_key, source.id)
             if anchor is None or agent not in anchor.corrections:  # this consumer has not prefilled it yet
                 return PHDecision("fallback", reason=verdict.reason, source=source, entropy=verdict.entropy,
-                                  learn=True, setup_s=gate_s)
+                                  setup_s=gate_s, detail=KVCommDetail(learn=True))
         layout = self.engine.layout
         candidates = []
         for anchor in self.bank.candidates(pool_key, source.agent, agent):
@@ -172,9 +293,9 @@ class KVCommCorrector(Corrector):
             self._drop_non_finite(pool_key, candidates)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=verdict.entropy, setup_s=gate_s)
         return PHDecision("corrected", source=source, covered=length,
-                          inject=SegmentKV(corrected[0], corrected[1], start), entropy=verdict.entropy,
-                          anchors=candidates, glue=GlueWeights(candidates, glue["keys"], glue["values"]),
-                          setup_s=gate_s)
+                          inject=SegmentKV(corrected[0], corrected[1], start), entropy=verdict.entropy, setup_s=gate_s,
+                          detail=KVCommDetail(anchors=tuple(candidates),
+                                              glue=GlueWeights(candidates, glue["keys"], glue["values"])))
 
     def _verdict(self, pool_key: tuple, source: Materialization, aligned: SegmentKV) -> Verdict:
         """The gate's decision on `source`, made once (KVCOMM's predict_as_anchor)."""
@@ -234,7 +355,7 @@ class KVCommCorrector(Corrector):
     def glue_known(agent: str, decision: PHDecision, tokens: Sequence[int]) -> bool:
         """Whether every anchor of `decision` observed `agent`'s template text `tokens` corrected."""
         wanted = tuple(tokens)
-        for anchor in decision.glue.anchors:
+        for anchor in decision.detail.glue.anchors:
             observed = anchor.corrections.get(agent)
             if observed is None or observed.glue_tokens != wanted:
                 return False
@@ -247,7 +368,7 @@ class KVCommCorrector(Corrector):
         None when an anchor holds none for these tokens."""
         if not self.glue_known(agent, decision, tokens):
             return None
-        weights: GlueWeights = decision.glue
+        weights: GlueWeights = decision.detail.glue
         layout = self.engine.layout
         placed = self.engine.realign(template, start)
         corrected = []
@@ -271,7 +392,7 @@ class KVCommCorrector(Corrector):
         """The anchor correction a dense prefill of an anchor segment teaches: the segment's and the
         template text's after it. `glue`: (tokens, their dense KV, their template KV), all empty
         when no text follows the segment before the next one; None (not known) teaches nothing."""
-        if not (kv is not None and own_tokens_exact and decision.learn and decision.source is not None
+        if not (kv is not None and own_tokens_exact and _learns(decision) and decision.source is not None
                 and glue is not None):
             return None
         glue_tokens, glue_real, glue_template = glue
@@ -304,3 +425,31 @@ class KVCommCorrector(Corrector):
         except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
             return PreparedAnchor(None, time.perf_counter() - started, exc)
         return PreparedAnchor(args, time.perf_counter() - started)
+
+
+def _learns(decision: PHDecision) -> bool:
+    """The segment is an anchor, and this consumer's dense prefill adds its correction."""
+    return isinstance(decision.detail, KVCommDetail) and decision.detail.learn
+
+
+def _glue_runs(segments: Sequence) -> dict[int, list[int]]:
+    """Per PH segment, the PF segments after it up to the next PH segment: its template text."""
+    runs: dict[int, list[int]] = {}
+    owner = None
+    for index, seg in enumerate(segments):
+        if seg.kind == "ph":
+            owner = index
+            runs[index] = []
+        elif owner is not None:
+            runs[owner].append(index)
+    return runs
+
+
+def _run_tokens(run: Sequence[int], token_lists: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens of the segments `run`, in order."""
+    return [t for j in run for t in token_lists[j]]
+
+
+def _template_shape(call: TokenizedCall) -> list[tuple]:
+    """Per segment ("pf", tokens) or ("ph", slot): the agent's template with its shared segments as slots."""
+    return [("pf", tokens) if seg.kind == "pf" else ("ph", seg.slot) for seg, tokens in zip(call.segments, call.token_lists)]

@@ -13,12 +13,20 @@ under the consumer's own context, through the engine's `recompute` step:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 
+from agentcache.correction.corrector import Corrector, PreparedAnchor
+from agentcache.correction.plan import PHDecision
+from agentcache.correction.store import Materialization
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import LayerRecompute, TokenRecompute
+from agentcache.engine.protocol import LayerRecompute, SegmentPlan, TokenRecompute
+from agentcache.engine.tokens import common_prefix
+from agentcache.isolation import Scope
 
-__all__ = ["LayerProfile", "layer_count", "token_plan"]
+__all__ = ["SelectiveCorrector", "LayerProfile", "layer_count", "token_plan"]
 
 
 def token_plan(rho: float, probe_layer: int) -> TokenRecompute:
@@ -29,6 +37,77 @@ def token_plan(rho: float, probe_layer: int) -> TokenRecompute:
 def layer_count(rho: float, num_layers: int) -> int:
     """Layers DroidSpeak rebuilds to reuse the share ρ of a segment's KV (whole layers, nearest)."""
     return min(num_layers, max(0, round((1.0 - rho) * num_layers)))
+
+
+class SelectiveCorrector(Corrector):
+    """The corrector of strategies with `recompute`: a reused segment's `PHDecision.detail` is the
+    engine's recompute step (`TokenRecompute` or `LayerRecompute`) for its covered tokens."""
+
+    def __init__(self, engine, strategy, anchor_bytes: int, store_bytes: int) -> None:
+        super().__init__(engine, strategy, anchor_bytes, store_bytes)
+        self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
+
+    def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
+               aligned: SegmentKV, start: int) -> PHDecision:
+        """Reuse the aligned source, the engine rebuilding 1 − ρ of it."""
+        s = self.strategy
+        if s.recompute == "tokens":
+            return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+                              detail=token_plan(s.rho, s.probe_layer))
+        profile = self._profile(scope)
+        if not profile.ready:
+            return PHDecision("fallback", reason="profiling", source=source)
+        if layer_count(s.rho, profile.num_layers) == 0:
+            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+        hidden = source.hidden
+        if hidden is None or hidden.shape[0] < shared:
+            return PHDecision("fallback", reason="no_hidden_states", source=source)
+        return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+                          detail=profile.recompute(s.rho, hidden[:shared]))
+
+    def _injected(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:
+        plans = super()._injected(slot, tokens, decision)
+        step = decision.detail
+        if isinstance(step, LayerRecompute):  # its hidden states cut to the injected tokens
+            step = replace(step, hidden=step.hidden[:decision.covered])
+        return [replace(plans[0], recompute=step), *plans[1:]]
+
+    def hidden_layer(self, scope: Scope) -> int | None:
+        """DroidSpeak's E cache: the first layer of its group, once profiling fixed the group."""
+        s = self.strategy
+        if s.recompute != "layers":
+            return None
+        profile = self._profile(scope)
+        count = layer_count(s.rho, profile.num_layers)
+        return profile.group(count)[0] if profile.ready and count else None
+
+    def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
+               kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True,
+               hidden: torch.Tensor | None = None, prepared: PreparedAnchor | None | bool = False) -> None:
+        if kv is not None and decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
+            self._observe_layers(scope, decision.source, token_ids, kv)
+        super().commit(scope, agent, slot, token_ids, decision, kv, how, own_tokens_exact=own_tokens_exact,
+                       hidden=hidden, prepared=prepared)
+
+    def _profile(self, scope: Scope) -> LayerProfile:
+        profile = self.profiles.get(scope.tenant)
+        if profile is None:
+            profile = LayerProfile(self.engine.layout.num_layers, self.strategy.profile_transitions)
+            self.profiles[scope.tenant] = profile
+        return profile
+
+    def _observe_layers(self, scope: Scope, source: Materialization, token_ids: Sequence[int],
+                        dense: SegmentKV) -> None:
+        """DroidSpeak's profiling: how far each layer of the re-aligned source is from the dense target."""
+        shared = common_prefix(source.token_ids, token_ids)
+        profile = self._profile(scope)
+        if shared == 0 or profile.ready:
+            return
+        try:
+            profile.observe(self.engine.realign(source.kv.slice(0, shared), 0),
+                            self.engine.realign(dense.slice(0, shared), 0))
+        except Exception as exc:  # noqa: BLE001 - a transition lost to profiling, never the call
+            self.fault("profile_error", f"profiling the layers of slot {source.slot!r}", exc)
 
 
 class LayerProfile:

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
+from agentcache.engine.budget import BudgetedLRU
 from agentcache.engine.kv import SegmentKV
+from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope
 
-__all__ = ["Materialization", "SegmentStore", "common_prefix"]
+__all__ = ["Materialization", "SegmentStore"]
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,12 @@ class Materialization:
 
 
 @dataclass(frozen=True)
-class _Indexed:
+class _Kept:
+    """An entry and where it is indexed, as computed when it was put (its own fields may be corrupt later)."""
+
+    entry: Materialization
     content_key: tuple  # (scope, slot, agent, tokens)
     bucket_keys: list[tuple]  # (scope, slot, first k tokens) for k = 1, 2, 4, ...
-    nbytes: int
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _needed(length: int) -> int:
@@ -81,27 +75,28 @@ class SegmentStore:
     def __init__(self, byte_budget: int) -> None:
         if byte_budget < 1:
             raise ValueError(f"segment store byte budget must be positive, got {byte_budget}")
-        self.byte_budget = byte_budget
-        self._entries: OrderedDict[str, Materialization] = OrderedDict()  # id -> entry, LRU first
+        self._kept: BudgetedLRU[str, _Kept] = BudgetedLRU(byte_budget)  # id -> entry, LRU first
         self._buckets: dict[tuple, dict[str, Materialization]] = {}  # (scope, slot, prefix) -> id -> entry
         self._by_content: dict[tuple, str] = {}  # (scope, slot, agent, tokens) -> id
         self._by_scope: dict[Scope, set[str]] = {}
-        self._indexed: dict[str, _Indexed] = {}  # id -> where it is indexed, as computed when it was put
         self._ids = itertools.count()
-        self._nbytes = 0
         self.evicted = 0
         self.rejected_too_large = 0
         self.dropped_corrupt = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kept)
 
     def __iter__(self):
-        return iter(list(self._entries.values()))
+        return iter([kept.entry for kept in self._kept.values()])
+
+    @property
+    def byte_budget(self) -> int:
+        return self._kept.byte_budget
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._kept.nbytes
 
     @property
     def scopes(self) -> int:
@@ -115,24 +110,22 @@ class SegmentStore:
         if hidden is not None and hidden.shape[0] != len(token_ids):
             hidden = None  # not one row per token: of no use to a consumer
         entry = Materialization(f"{slot}#{serial}", scope, slot, agent, tuple(token_ids), kv, how, serial, hidden)
-        if entry.nbytes > self.byte_budget:
+        nbytes = entry.nbytes
+        if not self._kept.fits(nbytes):
             self.rejected_too_large += 1
             return None
         old = self._by_content.get((scope, slot, agent, entry.token_ids))
         if old is not None:  # an agent's newest materialization of the same content replaces the older
             self.remove(old)
-        indexed = _Indexed((scope, slot, agent, entry.token_ids),
-                           [(scope, slot, entry.token_ids[:k]) for k in _key_lengths(len(entry.token_ids))],
-                           entry.nbytes)
-        self._entries[entry.id] = entry
-        self._indexed[entry.id] = indexed
-        self._nbytes += indexed.nbytes
-        self._by_content[indexed.content_key] = entry.id
+        kept = _Kept(entry, (scope, slot, agent, entry.token_ids),
+                     [(scope, slot, entry.token_ids[:k]) for k in _key_lengths(len(entry.token_ids))])
+        evicted = self._kept.put(entry.id, kept, nbytes)
+        self._by_content[kept.content_key] = entry.id
         self._by_scope.setdefault(scope, set()).add(entry.id)
-        for key in indexed.bucket_keys:
+        for key in kept.bucket_keys:
             self._buckets.setdefault(key, {})[entry.id] = entry
-        while self._nbytes > self.byte_budget:
-            self.remove(next(iter(self._entries)))
+        for gone_id, gone in evicted:
+            self._unindex(gone_id, gone)
             self.evicted += 1
         return entry
 
@@ -163,23 +156,24 @@ class SegmentStore:
             if shared >= needed and (best is None or (shared, entry.serial) > (best[1], best[0].serial)):
                 best = (entry, shared)
         if best is not None:
-            self._entries.move_to_end(best[0].id)
+            self._kept.touch(best[0].id)
         return best
 
     def remove(self, entry_id: str) -> None:
         """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt)."""
-        if self._entries.pop(entry_id, None) is None:
-            return
-        indexed = self._indexed.pop(entry_id)
-        self._nbytes -= indexed.nbytes
-        if self._by_content.get(indexed.content_key) == entry_id:
-            del self._by_content[indexed.content_key]
-        scope = indexed.content_key[0]
+        kept = self._kept.pop(entry_id)
+        if kept is not None:
+            self._unindex(entry_id, kept)
+
+    def _unindex(self, entry_id: str, kept: _Kept) -> None:
+        if self._by_content.get(kept.content_key) == entry_id:
+            del self._by_content[kept.content_key]
+        scope = kept.content_key[0]
         ids = self._by_scope[scope]
         ids.discard(entry_id)
         if not ids:
             del self._by_scope[scope]
-        for key in indexed.bucket_keys:
+        for key in kept.bucket_keys:
             bucket = self._buckets[key]
             bucket.pop(entry_id, None)
             if not bucket:

@@ -3,7 +3,7 @@
 from agentcache.engine.blocks import Block, BlockPool, CacheEvent, PoolStats, block_hash
 from agentcache.engine.cache_manager import CacheManager, Lease, PrefixHit
 from agentcache.engine.embedded import EmbeddedEngine, EngineConfig
-from agentcache.engine.eviction import EVICTION_POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
+from agentcache.engine.eviction import AgentAwarePolicy, EvictionPolicy, LFUPolicy, LRUPolicy
 from agentcache.engine.kv import KVLayout, SegmentKV
 from agentcache.engine.protocol import (
     Engine,
@@ -20,7 +20,7 @@ __all__ = [
     "Block", "BlockPool", "CacheEvent", "PoolStats", "block_hash",
     "CacheManager", "Lease", "PrefixHit",
     "EmbeddedEngine", "EngineConfig",
-    "EVICTION_POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy",
+    "AgentAwarePolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy",
     "KVLayout", "SegmentKV",
     "Engine", "ExecRequest", "ExecResult", "SamplingParams", "SegmentOutcome", "SegmentPlan", "Step",
     "RopeAligner", "rotate_keys",

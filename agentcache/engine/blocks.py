@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
+from agentcache.engine.eviction import Dispatch, EvictionPolicy, builtin_policy
 from agentcache.engine.kv import KVLayout
 from agentcache.errors import CapacityError
 
@@ -106,7 +106,7 @@ class PoolStats:
 class BlockPool:
     capacity: int
     block_size: int = 16
-    policy: EvictionPolicy | str = "lru"
+    policy: EvictionPolicy | str = "lru"  # a policy object, or the name of one of the engine's own
     layout: KVLayout | None = None
     device: torch.device | str = "cpu"
     stats: PoolStats = field(default_factory=PoolStats)
@@ -117,7 +117,7 @@ class BlockPool:
             raise CapacityError(f"block pool capacity must be at least 1 block, got {self.capacity}")
         if self.block_size < 1:
             raise CapacityError(f"block size must be at least 1 token, got {self.block_size}")
-        self.policy = make_policy(self.policy)
+        self.policy = builtin_policy(self.policy, "BlockPool.policy")
         self.policy.attach(self.capacity, self.block_size)
         self._blocks: dict[int, Block] = {}
         self._index: dict[bytes, Block] = {}

@@ -20,7 +20,7 @@ import torch
 
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
-from agentcache.engine.eviction import EvictionPolicy
+from agentcache.engine.eviction import EvictionPolicy, check_eviction
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import CallCache, SegmentKV
 from agentcache.engine.layers import LayerControl
@@ -48,7 +48,7 @@ class EngineConfig:
     block_size: int = 16
     pool_bytes: int = 512 * 2**20  # KV bytes the prefix cache may hold
     pool_blocks: int | None = None  # overrides pool_bytes when set
-    eviction: str | EvictionPolicy = "lru"
+    eviction: str | EvictionPolicy = "lru"  # "lru", "lfu" or a policy object, e.g. agentcache.make_policy("survival")
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
     prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
     device: str = "cpu"
@@ -65,6 +65,7 @@ class EngineConfig:
             raise InputError(f"EngineConfig.threads must be a positive int or None, got {self.threads!r}")
         if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
             raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
+        check_eviction(self.eviction, "EngineConfig.eviction")
         _check_device(self.device)
 
 
@@ -147,7 +148,12 @@ class EmbeddedEngine(ModelFrontend):
         _check_pool_fits(capacity, self.layout.bytes_per_token * self.block_size, self.config.device)
         self.pool = BlockPool(capacity, self.block_size, self.config.eviction, self.layout, self.config.device)
         self.cache = CacheManager(self.pool, enabled=self.config.prefix_caching)
-        self.scheduler = BatchScheduler(self, self.config.max_batch, self.config.warmup_chunk)
+        self.scheduler = BatchScheduler(
+            self.cache, self.runner, self.layers, device=self.config.device, model_key=self.model_key,
+            hidden_size=self.hidden_size, realign=self.realign, eos_token_ids=self.eos_token_ids,
+            detokenize=self.detokenize, max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
+            warmup_chunk=self.config.warmup_chunk,
+        )
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 
     def with_config(self, config: EngineConfig) -> EmbeddedEngine:

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from agentcache.errors import KVShapeError
 
-__all__ = ["KVLayout", "SegmentKV", "CallCache", "prefix_digests"]
+__all__ = ["KVLayout", "SegmentKV", "CallCache", "prefix_digests", "joined", "joined_hidden"]
 
 
 def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int], model_key: bytes) -> dict[int, bytes]:
@@ -103,6 +103,26 @@ class SegmentKV:
             self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin,
             self.exact_for if whole else None,
         )
+
+
+def joined(parts: Sequence[SegmentKV | None]) -> SegmentKV | None:
+    """One segment's KV from the contiguous parts it was split into (None unless every part has KV).
+    It is exact when every part is: then the last part's digest names the whole prefix through its end."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    keys = torch.cat([p.keys for p in parts], dim=2)  # (L, H, T, D)
+    values = torch.cat([p.values for p in parts], dim=2)
+    exact_for = parts[-1].exact_for if all(p.exact for p in parts) else None
+    return SegmentKV(keys, values, parts[0].start, exact_for)
+
+
+def joined_hidden(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """One segment's hidden states from its parts' (None unless every part has them)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))  # (T, hidden size)
 
 
 class _BufferLayer(DynamicLayer):

@@ -25,7 +25,7 @@ import torch
 
 from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.kv import KVLayout, SegmentKV
-from agentcache.errors import PlanError, SegmentError
+from agentcache.errors import InputError, PlanError, SegmentError
 
 __all__ = [
     "Step",
@@ -129,6 +129,16 @@ class SamplingParams:
     stop: tuple[str, ...] | str = ()  # a single string is one stop string
     seed: int | None = None
     ignore_eos: bool = False
+
+    @classmethod
+    def checked(cls, value: object, where: str) -> "SamplingParams":
+        """`value`, or the defaults for None; anything else is an InputError naming `where`."""
+        if value is None:
+            return cls()
+        if not isinstance(value, SamplingParams):
+            raise InputError(f"{where} must be a SamplingParams, got {type(value).__name__}: "
+                             "pass SamplingParams(max_tokens=..., ...)")
+        return value
 
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:

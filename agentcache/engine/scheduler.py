@@ -10,6 +10,9 @@ Order: real requests before warm-ups, then `priority` (lower first), then arriva
 admitted only when no real request waits, prefills in small chunks and only while no real
 request is prefilling, and is preempted when a real request needs its place.
 
+What a request's prefill computes, and in which passes, is planned at admission without the model
+(`prefill.prefill_layout`); the scheduler runs that layout one pass per step.
+
 Only the engine loop's thread calls into a scheduler, in inference mode; the cache manager locks
 its own bookkeeping, so other threads' lookups never wait for a step.
 """
@@ -18,18 +21,19 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
 from agentcache.engine.batch import DecodeRows
-from agentcache.engine.cache_manager import Lease
+from agentcache.engine.cache_manager import CacheManager, Lease
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
+from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import Job
+from agentcache.engine.prefill import PrefillLayout, prefill_layout
 from agentcache.engine.protocol import (
     ExecRequest,
     ExecResult,
@@ -38,20 +42,10 @@ from agentcache.engine.protocol import (
     Step,
     TokenRecompute,
 )
-from agentcache.engine.recompute import (
-    Blend,
-    HiddenRecord,
-    Layered,
-    chunks,
-    known_from,
-    pick_deviating,
-    stages,
-)
+from agentcache.engine.recompute import Blend, HiddenRecord, pick_deviating
+from agentcache.engine.runner import ModelRunner
 from agentcache.engine.sampling import choose_token, finish_after
 from agentcache.errors import Preempted
-
-if TYPE_CHECKING:
-    from agentcache.engine.embedded import EmbeddedEngine
 
 __all__ = ["BatchScheduler"]
 
@@ -65,9 +59,9 @@ class _Live:
     lease: Lease
     cache: CallCache
     digests: dict[int, bytes]  # position -> digest of the tokens before it (what KV ending there is exact for)
+    layout: PrefillLayout  # where each prompt token comes from, and the passes computing the rest
     prefill: Iterator[None] | None = None  # one prefill chunk per next(); None once the prompt is in
     logits: torch.Tensor | None = None  # (V,) at the last prompt position
-    spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # per segment (start, cached, computed, injected)
     first_approx: int | None = None  # first position whose KV is not exact for this prompt
     recomputed: dict[int, float] = field(default_factory=dict)  # segment -> tokens' worth recomputed
     probed: dict[int, float] = field(default_factory=dict)  # segment -> CacheBlend probe work, in tokens
@@ -94,13 +88,33 @@ def _order(job: Job) -> tuple:
 
 
 class BatchScheduler:
-    def __init__(self, engine: EmbeddedEngine, max_batch: int, warmup_chunk: int) -> None:
-        self.engine = engine
+    """Runs requests on a model: `runner` computes, `layers` runs part of the stack (selective
+    recomputation), `cache` holds the prefix blocks. `model_key` names the weights (KV digests),
+    `hidden_size` the width of recorded hidden states, `realign` moves KV to other positions;
+    `eos_token_ids` and `detokenize` judge when a request is done."""
+
+    def __init__(
+        self, cache: CacheManager, runner: ModelRunner, layers: LayerControl, *, device: torch.device | str,
+        model_key: bytes, hidden_size: int, realign: Callable[[SegmentKV, int], SegmentKV],
+        eos_token_ids: frozenset[int], detokenize: Callable[[Sequence[int]], str],
+        max_batch: int, prefill_chunk: int, warmup_chunk: int,
+    ) -> None:
+        self.cache = cache
+        self.runner = runner
+        self.layers = layers
+        self.kv_layout = runner.layout
+        self.device = torch.device(device)
+        self.model_key = model_key
+        self.hidden_size = hidden_size
+        self.realign = realign
+        self.eos_token_ids = eos_token_ids
+        self.detokenize = detokenize
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.warmup_chunk = warmup_chunk
         self.waiting: list[Job] = []
         self.live: list[_Live] = []
-        self.rows = DecodeRows(engine.layout, max_batch, torch.device(engine.config.device))
+        self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
         self.batched_tokens = 0  # tokens decoded in steps of more than one request
         self.preempted = 0
 
@@ -153,32 +167,35 @@ class BatchScheduler:
         return True
 
     def _start(self, job: Job) -> _Live:
-        engine, request = self.engine, job.request
+        request = job.request
         prompt = request.token_ids
         lookup = 0  # the leading PREFIX and INJECT segments are looked up; DENSE ones are computed
         for seg in request.segments:
             if seg.step is Step.DENSE:
                 break
             lookup += len(seg.token_ids)
-        lease = engine.cache.admit(prompt, lookup, lineage=request.lineage, namespace=request.cache_salt,
-                                   owner=request.owner, session=request.session, warmup=request.uncounted)
+        lease = self.cache.admit(prompt, lookup, lineage=request.lineage, namespace=request.cache_salt,
+                                 owner=request.owner, session=request.session, warmup=request.uncounted)
         try:
-            cache = CallCache(engine.layout, len(prompt) + request.sampling.max_tokens, torch.device(engine.config.device))
+            cache = CallCache(self.kv_layout, len(prompt) + request.sampling.max_tokens, self.device)
             if lease.hit.blocks:
-                cache.append(*engine.cache.gather(lease))
+                cache.append(*self.cache.gather(lease))
             ends = [0]
             for seg in request.segments:
                 ends.append(ends[-1] + len(seg.token_ids))
-            live = _Live(job, prompt, lease, cache, prefix_digests(prompt, ends, engine.model_key))
+            digests = prefix_digests(prompt, ends, self.model_key)
+            layout = prefill_layout(request, lease.hit.tokens, digests, prefill_chunk=self.prefill_chunk,
+                                    warmup_chunk=self.warmup_chunk)
+            live = _Live(job, prompt, lease, cache, digests, layout)
             if request.hidden_layer is not None:
-                live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, engine.hidden_size)
+                live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, self.hidden_size)
             sampling = request.sampling
             if sampling.temperature > 0 and sampling.seed is not None:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
             live.prefill = self._prefill_steps(live)
             return live
         except BaseException:
-            engine.cache.free(lease)
+            self.cache.free(lease)
             raise
 
     # --- prefill -------------------------------------------------------------------------------
@@ -202,129 +219,93 @@ class BatchScheduler:
             self._drop(live, exc)
 
     def _prefill_steps(self, live: _Live) -> Iterator[None]:
-        """Fill the call cache past the prefix hit, one forward pass per `next`; sets the last
-        position's logits, per-segment counts, and the first approximate position.
-
-        The dense tokens before the first injected segment are prefilled as usual. All injected KV
-        is then placed at its positions, and every dense token after it (the glue between injected
-        segments, the tail) is computed in one scattered pass: each token attends to everything at
-        lower positions, injected or dense. On a CPU a forward pass costs about as much for 5
-        tokens as for 100 (reading the weights dominates), so one pass instead of one per glue
-        segment is what lets reuse pay off for short shared segments. Selective recomputation
-        (`engine.recompute`) adds CacheBlend's probe and picked tokens, or DroidSpeak's layer groups."""
-        engine, request, cache = self.engine, live.request, live.cache
-        runner = engine.runner
-        prompt = live.prompt
-        hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
-        chunk = self.warmup_chunk if request.warmup else engine.config.prefill_chunk
-        dense: list[int] = []  # positions to compute, ascending
-        placed: list[tuple[int, SegmentKV]] = []  # injected KV, re-aligned to its position
-        blends: list[Blend] = []
-        layered: list[Layered] = []
-        first_inject_approx = None
-        pos = 0
-        last = len(request.segments) - 1
-        for index, seg in enumerate(request.segments):
-            n = len(seg.token_ids)
-            cached = min(max(hit - pos, 0), n)  # served by the prefix hit found at admission
-            if seg.step is Step.INJECT:
-                inject = (n - 1 if index == last else n) - cached  # the final prompt token runs for its logits
-                if inject > 0:
-                    exact_here = seg.kv.start == pos and seg.kv.exact_for == live.digests[pos + n]
-                    kv = engine.realign(seg.kv.slice(cached, cached + inject), pos + cached)
-                    placed.append((pos + cached, kv))
-                    if not exact_here and first_inject_approx is None:
-                        first_inject_approx = pos + cached
-                    span = list(range(pos + cached, pos + cached + inject))
-                    if isinstance(seg.recompute, TokenRecompute):
-                        blends.append(Blend(index, span, kv, seg.recompute))
-                    elif isinstance(seg.recompute, LayerRecompute):
-                        hidden = seg.recompute.hidden[cached : cached + inject]  # (inject, hidden size)
-                        unknown = known_from(hidden)  # leading tokens without hidden states: prefilled
-                        dense.extend(span[:unknown])
-                        live.recomputed[index] = float(unknown)
-                        if unknown < len(span):
-                            layered.append(Layered(index, span[unknown:], hidden[unknown:], seg.recompute))
-                inject = max(inject, 0)
-                dense.extend(range(pos + cached + inject, pos + n))
-                live.spans.append((pos, cached, n - cached - inject, inject))
-            else:
-                dense.extend(range(pos + cached, pos + n))
-                live.spans.append((pos, cached, n - cached, 0))
-            pos += n
-        split = placed[0][0] if placed else pos
-        head = [p for p in dense if p < split]  # contiguous, from the end of the prefix hit
-        tail = [p for p in dense if p >= split]
+        """Run the request's prefill layout, one forward pass per `next`: fill the call cache past
+        the prefix hit; set the last position's logits, the recomputation counts and the first
+        approximate position."""
+        request, cache, layout = live.request, live.cache, live.layout
+        prompt, end = live.prompt, layout.end
+        placed = []  # (injection, its KV re-aligned to its positions)
+        for inj in layout.injections:
+            kv = request.segments[inj.segment].kv
+            placed.append((inj, self.realign(kv.slice(inj.offset, inj.offset + inj.length), inj.start)))
+            if isinstance(inj.recompute, LayerRecompute):
+                live.recomputed[inj.segment] = float(inj.prefilled)
         ran = False  # a pass has run: yield before the next one
-        for part in chunks(head, chunk):
+        for part in layout.head:
             if ran:
                 yield
-            live.logits = self._pass(live, part, partial(runner.forward, cache, [prompt[p] for p in part], part[0]))
+            forward = partial(self.runner.forward, cache, [prompt[p] for p in part], part[0])
+            live.logits = self._pass(live, part, forward)
             ran = True
         if placed:
-            cache.clear(split, pos)
-            for start, kv in placed:
-                cache.place(start, kv.keys, kv.values)
-            if blends:
-                probe = max(b.spec.probe_layer for b in blends)
-                probed = sorted(set(tail).union(*(b.positions for b in blends)))
-                for part in chunks(probed, chunk):
+            cache.clear(layout.split, end)
+            for inj, kv in placed:
+                cache.place(inj.start, kv.keys, kv.values)
+            picked: list[int] = []
+            if layout.blends:
+                probe = layout.probe_layer
+                for part in layout.probe:
                     if ran:
                         yield
-                    self._scattered(live, part, pos, last=probe)
+                    self._scattered(live, part, end, last=probe)
                     ran = True
-                self._count(live, probed, live.probed, (probe + 1) / engine.layout.num_layers)
-                for blend in blends:
-                    picked = pick_deviating(cache, blend, probe)
-                    live.recomputed[blend.segment] = float(len(picked))
-                    tail.extend(picked)
-                tail.sort()
-            for stage in stages(tail, layered):
-                if isinstance(stage, Layered):
-                    for i in range(0, len(stage.positions), chunk):
+                self._count(live, layout.probed, live.probed, (probe + 1) / self.kv_layout.num_layers)
+                for inj, kv in placed:
+                    if isinstance(inj.recompute, TokenRecompute):
+                        blend = Blend(inj.segment, list(inj.positions), kv, inj.recompute)
+                        deviating = pick_deviating(cache, blend, probe)
+                        live.recomputed[inj.segment] = float(len(deviating))
+                        picked.extend(deviating)
+            for stage in layout.stages(picked):
+                layered = stage.layered
+                if layered is None:
+                    for part in stage.chunks:
                         if ran:
                             yield
-                        self._scattered(live, stage.positions[i : i + chunk], pos, first=stage.spec.first,
-                                        last=stage.spec.last, hidden=stage.hidden[i : i + chunk])
+                        live.logits = self._scattered(live, part, end)
                         ran = True
-                    share = len(stage.positions) * stage.layers / engine.layout.num_layers
-                    live.recomputed[stage.segment] = live.recomputed.get(stage.segment, 0.0) + share
                     continue
-                for part in chunks(stage, chunk):
+                done = 0
+                for part in stage.chunks:
                     if ran:
                         yield
-                    live.logits = self._scattered(live, part, pos)
+                    self._scattered(live, part, end, first=layered.spec.first, last=layered.spec.last,
+                                    hidden=layered.hidden[done : done + len(part)])
+                    done += len(part)
                     ran = True
-            cache.commit(pos)
-        approx = ([lineage_from] if lineage_from < hit else []) + [first_inject_approx]
+                share = len(layered.positions) * layered.layers / self.kv_layout.num_layers
+                live.recomputed[layered.segment] = live.recomputed.get(layered.segment, 0.0) + share
+            cache.commit(end)
+        hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
+        approx = ([lineage_from] if lineage_from < hit else []) + [layout.first_inexact]
         live.first_approx = min((p for p in approx if p is not None), default=None)
 
-    def _scattered(self, live: _Live, positions: list[int], end: int, first: int = 0, last: int | None = None,
+    def _scattered(self, live: _Live, positions: Sequence[int], end: int, first: int = 0, last: int | None = None,
                    hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One scattered pass over `positions` (below `end`), through layers first..last, layer
         `first` taking `hidden` (T, hidden size) as its input when given."""
-        forward = partial(self.engine.runner.forward_scattered, live.cache, [live.prompt[p] for p in positions],
+        forward = partial(self.runner.forward_scattered, live.cache, [live.prompt[p] for p in positions],
                           positions, end)
         return self._pass(live, positions, forward, first, last, None if hidden is None else hidden[None])
 
-    def _pass(self, live: _Live, positions: list[int], forward, first: int = 0, last: int | None = None,
+    def _pass(self, live: _Live, positions: Sequence[int], forward, first: int = 0, last: int | None = None,
               hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward pass over `positions`, within the layer range, recording the hidden
         states the request asked for (the input of its `hidden_layer`, when the range runs it)."""
         record = live.hidden
-        top = self.engine.layout.num_layers - 1 if last is None else last
+        top = self.kv_layout.num_layers - 1 if last is None else last
         capture = record.layer if record is not None and first <= record.layer <= top else None
         if capture is None and first == 0 and last is None:
             return forward()
-        with self.engine.layers.running(first, last, hidden, capture) as setting:
+        with self.layers.running(first, last, hidden, capture) as setting:
             logits = forward()
         if capture is not None:
             record.put(positions, setting.captured[0][0])  # (T, hidden size)
         return logits
 
-    def _count(self, live: _Live, positions: list[int], into: dict[int, float], weight: float) -> None:
+    def _count(self, live: _Live, positions: Sequence[int], into: dict[int, float], weight: float) -> None:
         """Add `weight` per position to the segment holding it."""
-        starts = [start for start, *_ in live.spans]
+        starts = [span.start for span in live.layout.spans]
         for p in positions:
             segment = bisect_right(starts, p) - 1
             into[segment] = into.get(segment, 0.0) + weight
@@ -375,11 +356,11 @@ class BatchScheduler:
         tokens = [live.generated[-1] for live in ordered]
         asking = [(row, live) for row, live in enumerate(ordered) if live.hidden is not None]
         if not asking:
-            return self.engine.runner.decode(self.rows, tokens)
+            return self.runner.decode(self.rows, tokens)
         layer = asking[0][1].hidden.layer
         positions = [live.cache.length for live in ordered]  # where each row's token goes
-        with self.engine.layers.running(capture=layer) as setting:
-            logits = self.engine.runner.decode(self.rows, tokens)
+        with self.layers.running(capture=layer) as setting:
+            logits = self.runner.decode(self.rows, tokens)
         hidden = setting.captured[0]  # (n, 1, hidden size)
         for row, live in asking:
             if live.hidden.layer == layer:
@@ -388,7 +369,7 @@ class BatchScheduler:
 
     def _emit(self, live: _Live, token: int) -> bool:
         """Record a generated token; returns whether the request is finished."""
-        engine, sampling = self.engine, live.request.sampling
+        sampling = live.request.sampling
         live.generated.append(token)
         on_token = live.request.on_token
         if on_token is not None:
@@ -397,7 +378,7 @@ class BatchScheduler:
             except Exception as exc:
                 raise _CallbackError(exc) from exc
         ended = finish_after(live.generated, sampling.max_tokens, sampling.stop, sampling.ignore_eos,
-                             engine.eos_token_ids, engine.detokenize)
+                             self.eos_token_ids, self.detokenize)
         if ended is None:
             return False
         live.finish, text = ended
@@ -409,32 +390,22 @@ class BatchScheduler:
 
     def _finish(self, live: _Live) -> None:
         """Hand back the result: capture KV, cache the call's blocks, free its row and lease."""
-        engine, request, cache = self.engine, live.request, live.cache
+        request, cache = live.request, live.cache
         try:
             prompt = live.prompt
             if live.finish != "stop":
-                live.text = engine.detokenize(live.generated)
+                live.text = self.detokenize(live.generated)
             hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
-            outcomes = [
-                SegmentOutcome(
-                    name=seg.name, step=seg.step, start=s, length=len(seg.token_ids),
-                    cached_tokens=c, computed_tokens=d, injected_tokens=j,
-                    kv=self._capture(live, s, s + len(seg.token_ids)) if request.capture_kv and seg.capture else None,
-                    lineage_tokens=max(0, min(s + c, hit) - max(s, lineage_from)),
-                    recomputed_tokens=live.recomputed.get(index, 0.0), probe_tokens=live.probed.get(index, 0.0),
-                    hidden=live.hidden.get(s, s + len(seg.token_ids)) if live.hidden is not None else None,
-                )
-                for index, (seg, (s, c, d, j)) in enumerate(zip(request.segments, live.spans))
-            ]
+            outcomes = [self._outcome(live, index, hit, lineage_from) for index in range(len(request.segments))]
             fed = live.generated[:-1]  # the last generated token was never fed back, so it has no KV
             generated_kv = generated_hidden = None
             if request.capture_kv and fed:
                 end = len(prompt) + len(fed)
-                live.digests.update(prefix_digests(prompt + fed, [end], engine.model_key))
+                live.digests.update(prefix_digests(prompt + fed, [end], self.model_key))
                 generated_kv = self._capture(live, len(prompt), end)
                 if live.hidden is not None:
                     generated_hidden = live.hidden.get(len(prompt), end)
-            engine.cache.commit(live.lease, prompt + fed, cache.view, approximate_from=live.first_approx)
+            self.cache.commit(live.lease, prompt + fed, cache.view, approximate_from=live.first_approx)
             result = ExecResult(
                 token_ids=list(live.generated), text=live.text, finish_reason=live.finish, prompt_tokens=len(prompt),
                 cached_tokens=hit, ttft_s=live.ttft, total_s=time.perf_counter() - live.job.submitted,
@@ -446,6 +417,18 @@ class BatchScheduler:
             return
         self._release(live)
         live.job.future.set_result(result)
+
+    def _outcome(self, live: _Live, index: int, hit: int, lineage_from: int) -> SegmentOutcome:
+        seg, span = live.request.segments[index], live.layout.spans[index]
+        begin, end = span.start, span.start + len(seg.token_ids)
+        return SegmentOutcome(
+            name=seg.name, step=seg.step, start=begin, length=end - begin,
+            cached_tokens=span.cached, computed_tokens=span.computed, injected_tokens=span.injected,
+            kv=self._capture(live, begin, end) if live.request.capture_kv and seg.capture else None,
+            lineage_tokens=max(0, min(begin + span.cached, hit) - max(begin, lineage_from)),
+            recomputed_tokens=live.recomputed.get(index, 0.0), probe_tokens=live.probed.get(index, 0.0),
+            hidden=live.hidden.get(begin, end) if live.hidden is not None else None,
+        )
 
     def _capture(self, live: _Live, begin: int, end: int) -> SegmentKV:
         keys, values = live.cache.view(begin, end)
@@ -463,7 +446,7 @@ class BatchScheduler:
         if live.decoding:
             self.rows.leave(live.cache)
             live.decoding = False
-        self.engine.cache.free(live.lease)
+        self.cache.free(live.lease)
 
 
 class _CallbackError(Exception):

@@ -6,16 +6,18 @@ would let untrusted text end a turn or forge a role. Here every token the tokeni
 special is split into ordinary pieces; only the runtime places BOS (and, through token ids,
 template tokens). Added tokens the tokenizer does not declare special (Gemma's newline runs and
 HTML tags) are ordinary text tokens and stay as they are.
+
+Also `common_prefix`, the shared-prefix length of two token sequences.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence
 
 from agentcache.errors import InputError
 
-__all__ = ["LiteralTokenizer"]
+__all__ = ["LiteralTokenizer", "common_prefix"]
 
 
 class LiteralTokenizer:
@@ -55,3 +57,13 @@ class LiteralTokenizer:
         if leaked:  # a one-character control token cannot be split: refuse rather than forge it
             raise InputError(f"text contains control token ids {sorted(leaked)} that cannot be tokenized as text")
         return ids
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,8 +1,9 @@
 """Agent-aware eviction policies for the block pool: TTL pinning, Survival (CacheScout), Belady.
 
 Each plugs into `BlockPool` through `priority(block)` (lower is evicted first) and the pool's
-hooks (see agentcache.engine.eviction). `ttl` and `survival` can be asked for by name
-(`EngineConfig(eviction="survival")`); Belady needs the future trace and is built from it.
+hooks (see agentcache.engine.eviction); Survival is also an `AgentAwarePolicy`, the contract
+vLLM's free-block queue ranks blocks by. Engines take them as objects: `ttl` and `survival` are
+named by `agentcache.make_policy`; Belady needs the future trace and is built from it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from agentcache.engine.blocks import block_hash
-from agentcache.engine.eviction import Dispatch, EvictionPolicy
+from agentcache.engine.eviction import SHARED, AgentAwarePolicy, Dispatch, EvictionPolicy, Tag
 from agentcache.errors import TraceError
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner, prompt_fingerprint
@@ -74,10 +75,9 @@ class TTLPolicy(EvictionPolicy):
 
 
 _FRESH = object()  # session_of[] before any touch
-_SHARED = object()  # session_of[] of a block touched by two or more sessions
 
 
-class SurvivalPolicy(EvictionPolicy):
+class SurvivalPolicy(AgentAwarePolicy):
     """CacheScout's survival-guided eviction (Eq. 9):
 
         score(b) = (survival(b) + delta) * (exp(-lambda * age(b)) + delta) * |b|
@@ -92,7 +92,6 @@ class SurvivalPolicy(EvictionPolicy):
     the paper's Algorithm 1."""
 
     name = "survival"
-    SHARED = _SHARED  # the session of a block several sessions touched
 
     def __init__(self, config: ScoutConfig | None = None) -> None:
         self.config = config or ScoutConfig()
@@ -112,7 +111,7 @@ class SurvivalPolicy(EvictionPolicy):
         super().attach(capacity, block_size)
         self.agent_of = array("h", [-1] * capacity)  # block id -> agent index (the block-to-agent map)
         self.last_step = array("l", [0] * capacity)  # block id -> dispatch of its last touch
-        self.session_of: list[object] = [_FRESH] * capacity  # block id -> its one session, or _SHARED
+        self.session_of: list[object] = [_FRESH] * capacity  # block id -> its one session, or SHARED
 
     def identify(self, dispatch: Dispatch) -> str | None:
         """The agent of a request: its explicit name, else a fingerprint of its leading blocks."""
@@ -120,14 +119,14 @@ class SurvivalPolicy(EvictionPolicy):
             return dispatch.agent
         return prompt_fingerprint(dispatch.token_ids, self.block_size or 16, self.config.fingerprint_blocks)
 
-    def begin_request(self, dispatch: Dispatch) -> tuple[int, object]:
+    def begin_request(self, dispatch: Dispatch) -> Tag:
         """Learn the dispatch; the visit is (agent index or -1 when unknown, session)."""
         agent = self.identify(dispatch)
         session = dispatch.session if self.config.per_session else None
         if dispatch.warmup:  # fills the cache for `agent`, teaches the learner nothing
             self.warmups += 1
             index = self.learner.index.get(agent) if agent is not None else None  # never a new agent
-            session = _SHARED  # a prefix warmed for whichever session calls next
+            session = SHARED  # a prefix warmed for whichever session calls next
         else:
             self.step += 1
             if agent is None:  # too short to fingerprint: nobody to learn from, and the chain breaks
@@ -138,16 +137,16 @@ class SurvivalPolicy(EvictionPolicy):
             self.scorer.maybe_refresh()
         return (-1 if index is None else index, session)
 
-    def touch(self, block: "Block", visit: tuple[int, object] | None = None) -> None:
-        agent, session = visit if visit is not None else (-1, _SHARED)
+    def touch(self, block: "Block", visit: Tag | None = None) -> None:
+        agent, session = visit if visit is not None else (-1, SHARED)
         block_id = block.block_id
         self.agent_of[block_id] = agent
         self.last_step[block_id] = self.step
         owner = self.session_of[block_id]
         if owner is _FRESH:
             self.session_of[block_id] = session
-        elif owner is not _SHARED and owner != session:
-            self.session_of[block_id] = _SHARED
+        elif owner is not SHARED and owner != session:
+            self.session_of[block_id] = SHARED
 
     def forget(self, block: "Block") -> None:
         self.agent_of[block.block_id] = -1
@@ -161,7 +160,7 @@ class SurvivalPolicy(EvictionPolicy):
         (`SHARED` when several sessions touched it)."""
         if agent < 0:
             return 0.0
-        if session is _SHARED or not self.config.per_session:
+        if session is SHARED or not self.config.per_session:
             return self.scorer.survival_of(agent)
         current = self.scorer.active_now.get(session)  # the session's agent now, if the session is active
         return 0.0 if current is None else self.scorer.survival_from(current)[agent]
@@ -172,9 +171,15 @@ class SurvivalPolicy(EvictionPolicy):
         recency = math.exp(-c.decay * (self.step - last_step))
         return (survival + c.floor) * (recency + c.floor) * tokens
 
+    def tag_score(self, tag: Tag, last_step: int, tokens: int) -> float:
+        """The priority of a block of `tokens` tokens that `tag` (agent index, session) touched last
+        at dispatch `last_step`."""
+        return self.score(self.survival_of(*tag), last_step, tokens)
+
     def priority(self, block: "Block") -> Any:
         block_id = block.block_id
-        return self.score(self.survival(block_id), self.last_step[block_id], len(block.token_ids))
+        return self.tag_score((self.agent_of[block_id], self.session_of[block_id]), self.last_step[block_id],
+                              len(block.token_ids))
 
     def state_bytes(self) -> int:
         """Bytes of the runtime state: transition counts, graph, survival tables, block map."""

@@ -11,20 +11,30 @@ apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
-from agentcache.engine.eviction import Dispatch, EvictionPolicy, make_policy
+from agentcache.engine.eviction import Dispatch, EvictionPolicy, LFUPolicy, LRUPolicy
 from agentcache.errors import CapacityError
 from agentcache.scout.config import ScoutConfig
-from agentcache.scout.policies import BeladyPolicy, SurvivalPolicy
+from agentcache.scout.policies import BeladyPolicy, SurvivalPolicy, TTLPolicy
 from agentcache.scout.warmup import WarmupCoordinator
 from agentcache.scout.workloads import Trace
 
 __all__ = ["ReplayResult", "replay", "serve", "make_replay_policy", "REPLAY_POLICIES"]
 
-REPLAY_POLICIES = ("lru", "lfu", "ttl", "survival", "survival_prefetch", "belady")
+# name -> a fresh policy for one replay of `trace` in blocks of `block_size` tokens, under `config`;
+# `survival_prefetch` is Survival (warm-up is the replay's job), Belady is built from the trace itself
+_REPLAY_FACTORIES: dict[str, Callable[[Trace, int, ScoutConfig | None], EvictionPolicy]] = {
+    "lru": lambda trace, block_size, config: LRUPolicy(),
+    "lfu": lambda trace, block_size, config: LFUPolicy(),
+    "ttl": lambda trace, block_size, config: TTLPolicy(),
+    "survival": lambda trace, block_size, config: SurvivalPolicy(config),
+    "survival_prefetch": lambda trace, block_size, config: SurvivalPolicy(config),
+    "belady": lambda trace, block_size, config: BeladyPolicy((trace.cached_tokens(r) for r in trace), block_size),
+}
+REPLAY_POLICIES = tuple(_REPLAY_FACTORIES)
 
 
 @dataclass(frozen=True)
@@ -45,13 +55,10 @@ class ReplayResult:
 
 def make_replay_policy(name: str, trace: Trace, block_size: int, config: ScoutConfig | None = None) -> EvictionPolicy:
     """A fresh policy for one replay; `survival_prefetch` is Survival (warm-up is the replay's job)."""
-    if name == "belady":
-        return BeladyPolicy((trace.cached_tokens(r) for r in trace), block_size)
-    if name in ("survival", "survival_prefetch"):
-        return SurvivalPolicy(config)
-    if name not in REPLAY_POLICIES:
+    factory = _REPLAY_FACTORIES.get(name)
+    if factory is None:
         raise ValueError(f"unknown replay policy {name!r}; choose one of {list(REPLAY_POLICIES)}")
-    return make_policy(name)
+    return factory(trace, block_size, config)
 
 
 def replay(

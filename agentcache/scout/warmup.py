@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from agentcache.correction.store import common_prefix
+from agentcache.engine.tokens import common_prefix
 from agentcache.scout.config import ScoutConfig
 from agentcache.scout.learner import TransitionLearner
 

@@ -19,8 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine.embedded import EmbeddedEngine, EngineConfig
+from agentcache.engine.eviction import BUILTIN_POLICIES
 from agentcache.errors import InputError
 from agentcache.models import DEFAULT_MODEL
+from agentcache.policies import EVICTION_POLICIES, make_policy
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.scout.config import ScoutConfig
 
@@ -37,7 +39,7 @@ class AgentCacheClientConfig(BaseModel):
     model: str = Field(default=DEFAULT_MODEL, description="a model preset name or a local Hugging Face model directory")
     strategy: str = Field(default="kvcmas", description="kvcmas, nonshared, fullshared, ...")
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options (block_size, pool_bytes, "
-                                   "eviction by name, ...)")
+                                   "eviction by name: a name of agentcache.EVICTION_POLICIES, ...)")
     runtime: dict[str, Any] = Field(default_factory=dict, description="RuntimeConfig options (anchor_bytes, "
                                     "self_check, warmup, scout, ...)")
     runtime_id: str | None = Field(default=None, description="configs with one id run on one runtime; a live "
@@ -60,19 +62,34 @@ def runtime_spec(runtime: Runtime) -> dict[str, Any]:
     if engine.model_source is None:
         raise InputError(f"cannot write a component config for a runtime on {engine.model_name!r} loaded by the "
                          "caller: build the engine from a preset name or a model directory")
-    if not isinstance(engine.config.eviction, str):
+    eviction = _eviction_name(engine.config.eviction)
+    if eviction is None:
         raise InputError(f"cannot write a component config for an eviction policy object "
-                         f"({type(engine.config.eviction).__name__}); name it: EngineConfig(eviction='survival')")
+                         f"({type(engine.config.eviction).__name__}) with settings of its own: a config names a "
+                         f"policy of agentcache.EVICTION_POLICIES with its default settings")
     if runtime.requested_strategy.name not in STRATEGIES:
         raise InputError(f"cannot write a component config for the custom strategy "
                          f"{runtime.requested_strategy.name!r}; configs name a built-in strategy")
     return {
         "model": engine.model_source,
         "strategy": runtime.requested_strategy.name,
-        "engine": dataclasses.asdict(engine.config),
+        "engine": dataclasses.asdict(dataclasses.replace(engine.config, eviction="lru")) | {"eviction": eviction},
         "runtime": dataclasses.asdict(runtime.config),
         "runtime_id": runtime.id,
     }
+
+
+def _eviction_name(policy: Any) -> str | None:
+    """The name in agentcache.EVICTION_POLICIES that builds `policy` again, or None when none does."""
+    if isinstance(policy, str):
+        return policy
+    name = getattr(policy, "name", None)
+    if name not in EVICTION_POLICIES:
+        return None
+    twin = make_policy(name)
+    same = type(twin) is type(policy) and all(getattr(twin, setting, None) == getattr(policy, setting, None)
+                                              for setting in ("config", "ttl"))  # the registry policies' settings
+    return name if same else None
 
 
 _live: "weakref.WeakValueDictionary[str, Runtime]" = weakref.WeakValueDictionary()  # runtime id -> runtime
@@ -103,7 +120,11 @@ def _build(config: AgentCacheClientConfig) -> Runtime:
         if isinstance(options.get("scout"), dict):
             options["scout"] = ScoutConfig(**options["scout"])
         runtime_config = RuntimeConfig(**options)
-        engine_config = EngineConfig(**config.engine)
+        engine_options = dict(config.engine)
+        eviction = engine_options.get("eviction")
+        if isinstance(eviction, str) and eviction not in BUILTIN_POLICIES:  # another name of EVICTION_POLICIES
+            engine_options["eviction"] = make_policy(eviction)
+        engine_config = EngineConfig(**engine_options)
     except TypeError as exc:  # an option that does not exist
         raise InputError(f"bad agentcache client config: {exc}") from None
     return Runtime(EmbeddedEngine(config.model, engine_config), strategy=config.strategy, config=runtime_config)

@@ -32,9 +32,7 @@ from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
 from agentcache.engine.vllm.tails import ExactTails
-from agentcache.errors import InputError
 from agentcache.models import LoadedModel, load_model, model_directory
-from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["VLLMCore", "Call"]
 
@@ -183,9 +181,9 @@ class VLLMCore:
         )
         self.vllm_version = vllm.__version__
         self.engine = LLMEngine.from_engine_args(args)
-        self.policy = _eviction_policy(config.eviction)
+        self.policy = None if config.eviction == "lru" else config.eviction  # VLLMConfig checked it
         if self.policy is not None:
-            self.scheduler.use_survival(self.policy)
+            self.scheduler.use_policy(self.policy)
         self._sampling_params = vllm.SamplingParams
         self._delta = RequestOutputKind.DELTA
         self._live: dict[str, _Live] = {}  # by the running phase's key
@@ -447,18 +445,6 @@ class VLLMCore:
             cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
             segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
         )
-
-
-def _eviction_policy(eviction: Any) -> SurvivalPolicy | None:
-    """"lru": vLLM's own order (None); "survival" or a SurvivalPolicy: CacheScout's."""
-    if eviction == "lru":
-        return None
-    if eviction == "survival":
-        return SurvivalPolicy()
-    if isinstance(eviction, SurvivalPolicy):
-        return eviction
-    raise InputError(f"the vLLM engine's eviction is 'lru' (vLLM's own) or 'survival' (CacheScout), or a "
-                     f"SurvivalPolicy; got {eviction!r}")
 
 
 def _weights_key(directory: Path) -> bytes:

@@ -29,14 +29,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from agentcache.engine.eviction import EvictionPolicy
+from agentcache.engine.eviction import AgentAwarePolicy, EvictionPolicy
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import prefix_digests
 from agentcache.engine.protocol import CacheStats, ExecRequest, ExecResult, Step
 from agentcache.engine.vllm.core import Call, VLLMCore
 from agentcache.errors import InputError, PlanError
 from agentcache.models import DEFAULT_MODEL, LoadedModel
-from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["VLLMEngine", "VLLMConfig"]
 
@@ -52,7 +51,9 @@ class VLLMConfig:
     # for any segment after the first: see core.py)
     max_model_len: int | None = None  # None: the model's context, at most 16,384 tokens
     threads: int | None = None  # torch threads for the whole process (vLLM fixes them at start)
-    eviction: str | SurvivalPolicy = "lru"  # "lru": vLLM's own order; "survival": CacheScout's (eviction.py)
+    # "lru": vLLM's own order; an AgentAwarePolicy object orders free blocks by its score (eviction.py),
+    # e.g. CacheScout's: agentcache.make_policy("survival")
+    eviction: str | AgentAwarePolicy = "lru"
     # Engines with equal settings share one vLLM engine (its weights, KV capacity and eviction
     # policy); a name of its own gets a separate one (e.g. to compare strategies on separate pools).
     instance: str = ""
@@ -68,6 +69,9 @@ class VLLMConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise InputError(f"VLLMConfig.{name} must be a positive int or None, got {value!r}")
+        if not (isinstance(self.eviction, AgentAwarePolicy) or (isinstance(self.eviction, str) and self.eviction == "lru")):
+            raise InputError(f"VLLMConfig.eviction: vLLM orders free blocks by its own LRU ('lru') or by an agent-aware "
+                             f"policy object, e.g. eviction=agentcache.make_policy('survival'); got {self.eviction!r}")
 
     @property
     def core_settings(self) -> tuple:
@@ -113,7 +117,7 @@ class VLLMEngine(ModelFrontend):
 
     @property
     def eviction_policy(self) -> EvictionPolicy | None:
-        """The Survival policy ordering vLLM's free blocks, or None for vLLM's own LRU."""
+        """The agent-aware policy ordering vLLM's free blocks, or None for vLLM's own LRU."""
         return self._core.policy
 
     @property

@@ -1,20 +1,21 @@
-"""CacheScout's survival-guided eviction inside vLLM: a free-block queue ordered by Eq. 9.
+"""Agent-aware eviction inside vLLM (CacheScout's Survival): a free-block queue ordered by the
+policy's score.
 
 vLLM reuses free blocks from the front of a queue (LRU: a finished request's blocks go to the
-back, its chain's tail first). `SurvivalFreeQueue` replaces that queue in the engine's block
+back, its chain's tail first). `AgentAwareFreeQueue` replaces that queue in the engine's block
 pool with the same methods, and hands out blocks in this order:
 
 1. blocks that cache nothing (never hashed): nothing is lost;
 2. cached blocks, from the tag whose head scores lowest, where a tag is the (agent, session)
-   whose request released the block last (several sessions: shared) and a block's score is
-   `SurvivalPolicy.score`: (survival + delta) * (recency + delta). Within a tag blocks leave in
-   release order, a chain's tail first;
+   whose request released the block last (several sessions: shared) and a block's score is the
+   policy's `tag_score(tag, released at, block size)` (Survival: (survival + delta) * (recency +
+   delta) * |b|). Within a tag blocks leave in release order, a chain's tail first;
 3. a cached block whose children are still cached waits until they are gone (leaves before
    parents: a child without its parent can never be hit again).
 
 Scores change as the policy learns from each dispatch, and every tag's head is re-scored on each
 pop, so an allocation costs one score per tag (agents x active sessions), never a scan of the
-free blocks.
+free blocks. The queue knows the policy only as an `AgentAwarePolicy` (engine/eviction.py).
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any, Iterable
 
-from agentcache.scout.policies import SurvivalPolicy
+from agentcache.engine.eviction import SHARED, AgentAwarePolicy, Tag
 
-__all__ = ["SurvivalFreeQueue", "Tag"]
+__all__ = ["AgentAwareFreeQueue", "Tag"]
 
-Tag = tuple[int, object]  # (agent index, or -1 when unknown; session, or SurvivalPolicy.SHARED)
-_UNKNOWN: Tag = (-1, SurvivalPolicy.SHARED)
+_UNKNOWN: Tag = (-1, SHARED)
 
 
-class SurvivalFreeQueue:
-    def __init__(self, blocks: Iterable[Any], policy: SurvivalPolicy, block_size: int) -> None:
+class AgentAwareFreeQueue:
+    def __init__(self, blocks: Iterable[Any], policy: AgentAwarePolicy, block_size: int) -> None:
         self.policy = policy
         self.block_size = block_size
         self.uncached: OrderedDict[int, Any] = OrderedDict((b.block_id, b) for b in blocks)
@@ -58,7 +58,7 @@ class SurvivalFreeQueue:
         previous = self.tag_of.get(block_id)
         agent, session = released_by
         if previous is not None and previous[1] is not session and previous[1] != session:
-            session = SurvivalPolicy.SHARED
+            session = SHARED
         return agent, session
 
     # --- vLLM's FreeKVCacheBlockQueue interface ----------------------------------------------------
@@ -130,7 +130,7 @@ class SurvivalFreeQueue:
         policy, best, best_score = self.policy, None, None
         for tag, bucket in self.tagged.items():
             _, released = next(iter(bucket.values()))
-            score = policy.score(policy.survival_of(*tag), released, self.block_size)
+            score = policy.tag_score(tag, released, self.block_size)
             if best_score is None or score < best_score:
                 best, best_score = tag, score
         return best

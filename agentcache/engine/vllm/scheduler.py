@@ -17,11 +17,10 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from agentcache.engine.eviction import Dispatch
+from agentcache.engine.eviction import AgentAwarePolicy, Dispatch
 from agentcache.engine.protocol import CacheStats
-from agentcache.engine.vllm.eviction import SurvivalFreeQueue
+from agentcache.engine.vllm.eviction import AgentAwareFreeQueue
 from agentcache.engine.vllm.registry import REGISTRY, key_of
-from agentcache.scout.policies import SurvivalPolicy
 
 __all__ = ["AgentCacheScheduler", "cached_tokens"]
 
@@ -54,7 +53,7 @@ class AgentCacheScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
-        self.policy: SurvivalPolicy | None = None  # None: vLLM's own LRU order
+        self.policy: AgentAwarePolicy | None = None  # None: vLLM's own LRU order
         self.lookup_blocks = self.hit_blocks = self.evictions = 0  # agentcache's CacheStats
         manager = self.kv_cache_manager
         manager.get_computed_blocks = _capped(self, manager)
@@ -77,13 +76,13 @@ class AgentCacheScheduler(Scheduler):
             hit_blocks=self.hit_blocks, evictions=self.evictions,
         )
 
-    def use_survival(self, policy: SurvivalPolicy) -> None:
-        """Order free-block reuse by CacheScout's survival score (see eviction.py); call before
-        the first request."""
+    def use_policy(self, policy: AgentAwarePolicy) -> None:
+        """Order free-block reuse by an agent-aware policy's score (CacheScout's Survival: see
+        eviction.py); call before the first request."""
         manager = self.kv_cache_manager
         pool = manager.block_pool
         policy.attach(pool.num_gpu_blocks, self.block_size)
-        queue = SurvivalFreeQueue(pool.free_block_queue.get_all_free_blocks(), policy, self.block_size)
+        queue = AgentAwareFreeQueue(pool.free_block_queue.get_all_free_blocks(), policy, self.block_size)
         pool.free_block_queue = queue
         self.policy = policy
         free = manager.free

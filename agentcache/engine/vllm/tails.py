@@ -14,9 +14,9 @@ the same rule as vLLM's own exact blocks. The store is bounded in bytes, least r
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
+
+from agentcache.engine.budget import BudgetedLRU
 
 __all__ = ["ExactTails"]
 
@@ -29,30 +29,32 @@ class ExactTails:
     """Keyed by (cache salt, `prefix_digests` digest of the prompt up to the tail's end)."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.bytes = 0
         self.hits = 0
-        self._tails: OrderedDict[tuple[str, bytes], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._tails: BudgetedLRU[tuple[str, bytes], tuple[torch.Tensor, torch.Tensor]] = BudgetedLRU(capacity_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._tails.byte_budget
+
+    @property
+    def bytes(self) -> int:
+        return self._tails.nbytes
 
     def put(self, key: tuple[str, bytes], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep a tail's KV, (L, H, T, D) each."""
         size = _nbytes(keys, values)
-        if size > self.capacity_bytes:
+        if not self._tails.fits(size):
             return
-        if key in self._tails:
-            self._tails.move_to_end(key)
+        if key in self._tails:  # the same tokens under the same salt: the same KV
+            self._tails.touch(key)
             return
-        self._tails[key] = (keys, values)
-        self.bytes += size
-        while self.bytes > self.capacity_bytes:
-            _, old = self._tails.popitem(last=False)
-            self.bytes -= _nbytes(*old)
+        self._tails.put(key, (keys, values), size)
 
     def get(self, key: tuple[str, bytes], length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kept KV under `key`, if it covers `length` tokens."""
         found = self._tails.get(key)
         if found is None or found[0].shape[2] != length:
             return None
-        self._tails.move_to_end(key)
+        self._tails.touch(key)
         self.hits += 1
         return found

@@ -1,0 +1,44 @@
+"""The runtime's settings, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentcache.errors import InputError
+from agentcache.scout.config import ScoutConfig
+
+__all__ = ["RuntimeConfig"]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    anchor_bytes: int = 2**30  # all anchor pools together
+    store_bytes: int = 2**30  # materialized shared-segment caches (chain sources)
+    keep_calls: int = 1000  # per-call records (`results`, `events`) kept in a ring; 0 keeps none
+    max_sessions: int = 128  # sessions remembered (outputs, shared texts, sources); the oldest are forgotten
+    session_entries: int = 256  # agents' outputs and shared texts kept per session
+    self_check: bool = True  # verify re-alignment and correction on this model before correcting
+    keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
+    warmup: bool = False  # between calls, prefill the predicted next agent's prefix (CacheScout)
+    # the warm-up gate and rate limit (r_min, warmup_min_gap); the learning constants too when the
+    # engine's eviction policy is not Survival (Survival brings its own ScoutConfig)
+    scout: ScoutConfig = field(default_factory=ScoutConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("anchor_bytes", "store_bytes", "max_sessions", "session_entries"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise InputError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+        if type(self.keep_calls) is not int or self.keep_calls < 0:
+            raise InputError(f"RuntimeConfig.keep_calls must be an int >= 0 (0 keeps no records), got {self.keep_calls!r}")
+        if not isinstance(self.scout, ScoutConfig):
+            raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
+
+    @staticmethod
+    def checked(value: object) -> RuntimeConfig:
+        """`value`, or the defaults for None; anything else is an InputError."""
+        if value is None:
+            return RuntimeConfig()
+        if not isinstance(value, RuntimeConfig):
+            raise InputError(f"Runtime(config=...) must be a RuntimeConfig, got {type(value).__name__}")
+        return value

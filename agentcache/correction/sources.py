@@ -1,0 +1,60 @@
+"""Where a shared segment's source cache comes from: chained or non-chained.
+
+Chained (KVCMAS): the source of an edge is the latest materialization of the segment along the
+workflow (or the named agent's), so the first agent prefills densely and every later one is
+corrected from its predecessor. Non-chained (KVCOMM, the ablation): the source is a context-free
+reference, the segment prefilled once after a short lead-in outside the workflow, or for an
+agent's output the generating agent's own cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from agentcache.correction.store import Materialization, SegmentStore
+from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.isolation import Scope, tenant_salt
+
+__all__ = ["SourceFinder", "REFERENCE", "NEUTRAL_LEAD_IN"]
+
+REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
+NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
+
+
+class SourceFinder:
+    def __init__(self, engine: Engine, store: SegmentStore, chained: bool) -> None:
+        self.engine = engine
+        self.store = store
+        self.chained = chained
+        self.reference_s = 0.0  # context-free reference prefills (non-chained), on consumers' critical paths
+
+    def find(self, scope: Scope, slot: str, token_ids: Sequence[int], agent: str | None,
+             lead_in: Sequence[int] | None = None) -> tuple[Materialization, int] | None:
+        """The source of this segment and how many of its leading tokens it shares; `agent` pins a
+        chained edge's source agent, `lead_in` is what a reference prefill puts before the segment."""
+        if self.chained:
+            return self.store.find(scope, slot, token_ids, agent=agent)
+        if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
+            return self.store.find(scope, slot, token_ids, agent=slot[4:])
+        found = self.store.find(scope, slot, token_ids, agent=REFERENCE)
+        if found is None or found[1] < len(token_ids):
+            entry = self._reference_prefill(scope, slot, token_ids, lead_in)
+            found = (entry, len(token_ids)) if entry is not None else found
+        return found
+
+    def _reference_prefill(self, scope: Scope, slot: str, token_ids: Sequence[int],
+                           lead_in: Sequence[int] | None = None) -> Materialization | None:
+        """Prefill the segment after `lead_in` (BOS and a neutral newline by default), outside the workflow."""
+        started = time.perf_counter()
+        lead = list(lead_in) if lead_in else self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
+        request = ExecRequest(
+            [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
+            # on the first consumer's critical path: a real request's priority and chunks, but no
+            # agent dispatch and no hit in the statistics
+            SamplingParams(max_tokens=1), owner=REFERENCE, internal=True,
+            cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
+        )
+        result = self.engine.execute(request)
+        self.reference_s += time.perf_counter() - started
+        return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
