@@ -28,7 +28,7 @@ from agentcache.correction import make_corrector
 from agentcache.correction.plan import Served
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
-from agentcache.engine.protocol import Engine, SamplingParams
+from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RopeAlignmentError
 from agentcache.isolation import Scope, engine_session, tenant_salt
 from agentcache.metrics import CallLog, CallResult
@@ -78,8 +78,8 @@ class Runtime:
         self.id = uuid.uuid4().hex  # names this runtime (its lineages, configs that run on it)
         self._lock = threading.RLock()  # strategy and session state: held to plan and to settle, never while the engine runs
         self._flying: set[object] = set()  # a ticket per call between entering the runtime and settling
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan")  # `arun`'s planning and settling
-        self._learner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")  # `arun`'s anchor building
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan")  # `arun`'s planning
+        self._learner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")  # `arun`'s learning and settling
 
     # --- running calls -------------------------------------------------------------------
 
@@ -95,8 +95,7 @@ class Runtime:
                     break
                 except (KVShapeError, RopeAlignmentError) as exc:
                     self._refused(flight, exc)
-            served = Served.of(flight.plan.tokenized, flight.plan.planned, result)
-            outcome = self._settle(flight, served, self._prepare(served))
+            outcome = self._finish(flight, result)
         finally:
             self._land(flight)
         self.log.emit(outcome)
@@ -105,9 +104,9 @@ class Runtime:
     async def arun(self, call: AgentCall, sampling: SamplingParams | None = None, *,
                    event: DispatchEvent | None = None, on_token: Callable[[int], None] | None = None) -> CallResult:
         """`run` for an event loop. It awaits the engine's future, so concurrent calls hold no thread
-        each: planning and settling take turns on one worker thread, anchor building and the
-        `on_call` sink run on another. A caller that stops waiting does not stop the call: like `run`
-        on a thread, it runs to its end and is recorded."""
+        each: planning takes turns on one runtime thread; learning, settling and the `on_call` sink
+        on another. A caller that stops waiting does not stop the call: like `run` on a thread, it
+        runs to its end and is recorded."""
         call_task = asyncio.ensure_future(self._arun(call, sampling, event, on_token, time.perf_counter()))
         call_task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
         return await asyncio.shield(call_task)
@@ -123,9 +122,7 @@ class Runtime:
                     break
                 except (KVShapeError, RopeAlignmentError) as exc:
                     await loop.run_in_executor(self._planner, self._refused, flight, exc)
-            served = Served.of(flight.plan.tokenized, flight.plan.planned, result)
-            prepared = await loop.run_in_executor(self._learner, self._prepare, served)
-            outcome = await loop.run_in_executor(self._planner, self._settle, flight, served, prepared)
+            outcome = await loop.run_in_executor(self._learner, self._finish, flight, result)
         finally:
             self._land(flight)
         await loop.run_in_executor(self._learner, self.log.emit, outcome)
@@ -170,18 +167,16 @@ class Runtime:
             self.corrector.refused(flight.plan.decisions, exc, flight.call.agent)
         flight.plan = flight.plan.densely()
 
-    def _prepare(self, served: Served) -> object | None:
-        """The strategy's learning from the call, with no lock held (None: it is done while settling)."""
+    def _finish(self, flight: _Flight, result: ExecResult) -> CallResult:
+        """The strategy learns from what was served with no lock held (factorizing anchors), then,
+        under the lock, settles it; the session keeps the output, CacheScout learns who ran, and the
+        call log keeps the call's figures."""
+        call, served = flight.call, Served.of(flight.plan.tokenized, flight.plan.planned, result)
         try:
             with torch.inference_mode():
-                return self.corrector.prepare(served)
+                prepared = self.corrector.prepare(served)
         except Exception:  # noqa: BLE001 - settling builds it again and counts what fails there
-            return None
-
-    def _settle(self, flight: _Flight, served: Served, prepared: object | None) -> CallResult:
-        """Under the lock: the strategy settles the call, the session keeps its output, CacheScout
-        learns who ran, and the call log keeps the call's figures."""
-        call, result = flight.call, served.result
+            prepared = None
         with self._lock, torch.inference_mode():
             self.corrector.settle(served, prepared)
             reports, tokenized = served.reports(), flight.plan.tokenized
