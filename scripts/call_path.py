@@ -76,6 +76,25 @@ def trace(run: Callable[[], object]) -> list[tuple[str, str, list[str]]]:
     return stops
 
 
+def deep_trace(run: Callable[[], object]) -> list[str]:
+    """The part of every function of the package called on this thread while `run` runs, at any
+    depth, consecutive repeats once: the module-by-module way of the call, excursions included."""
+    parts: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            part = part_of(frame.f_globals.get("__name__", ""), frame.f_code.co_name)
+            if part is not None and (not parts or parts[-1] != part):
+                parts.append(part)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return parts
+
+
 def path(stops: list[tuple[str, str, list[str]]], ignore: tuple[str, ...] = ("salts",)) -> list[str]:
     """The parts in the order the runtime visits them, consecutive repeats once."""
     out: list[str] = []
@@ -100,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="kvcmas")
     parser.add_argument("--warmup", action="store_true")
+    parser.add_argument("--deep", action="store_true", help="every module the call passes through, at any depth")
     args = parser.parse_args()
 
     from agentcache import Runtime, RuntimeConfig, SamplingParams
@@ -116,6 +136,11 @@ def main() -> None:
     for agent in ("planner", "critic"):  # the query gets a source, then the traced call reuses it
         rt.run(call(agent), SamplingParams(max_tokens=2))
     event = DispatchEvent(agent="writer", framework="runtime")
+    if args.deep:
+        parts = deep_trace(lambda: rt.run(call("writer"), SamplingParams(max_tokens=2), event=event))
+        print(json.dumps({"strategy": rt.strategy.name, "stops": len(parts), "parts": len(set(parts)),
+                          "returns": len(returns(parts)), "path": " -> ".join(parts)}, indent=2))
+        return
     stops = trace(lambda: rt.run(call("writer"), SamplingParams(max_tokens=2), event=event))
     parts = path(stops)
     print(json.dumps({
