@@ -13,7 +13,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from types import MappingProxyType
 
 import torch
@@ -37,23 +36,20 @@ class TokenizedCall:
     scope: Scope
     segments: tuple[Segment, ...]
     token_lists: tuple[tuple[int, ...], ...]
+    prompt: tuple[int, ...] = field(init=False, repr=False)
+    starts: tuple[int, ...] = field(init=False, repr=False)  # each segment's first position, the length last
 
-    @cached_property
-    def prompt(self) -> tuple[int, ...]:
-        return tuple(t for tokens in self.token_lists for t in tokens)
+    def __post_init__(self) -> None:
+        starts = [0]
+        for tokens in self.token_lists:
+            starts.append(starts[-1] + len(tokens))
+        object.__setattr__(self, "starts", tuple(starts))
+        object.__setattr__(self, "prompt", tuple(t for tokens in self.token_lists for t in tokens))
 
     @property
     def fixed_prefix(self) -> int:
         """Tokens in the leading PF segments: the agent's own fixed context (CacheScout's agent prefix)."""
         return next((self.starts[i] for i, seg in enumerate(self.segments) if seg.kind != "pf"), len(self.prompt))
-
-    @cached_property
-    def starts(self) -> tuple[int, ...]:
-        """Each segment's first position, and the prompt's length last."""
-        starts = [0]
-        for tokens in self.token_lists:
-            starts.append(starts[-1] + len(tokens))
-        return tuple(starts)
 
 
 @dataclass(frozen=True)
@@ -100,22 +96,18 @@ class Served:
     outcomes: tuple[tuple[SegmentOutcome, ...], ...]  # the engine segments each call segment became
     decisions: Mapping[int, PHDecision]  # the plan's, as the engine served them
     result: ExecResult
+    kvs: tuple[SegmentKV | None, ...]  # each segment's KV, when it came back
+    hiddens: tuple[torch.Tensor | None, ...]  # (T, hidden size) each, when the strategy asked for them
 
     @classmethod
     def of(cls, call: TokenizedCall, planned: Planned, result: ExecResult) -> Served:
-        outcomes: list[list[SegmentOutcome]] = [[] for _ in call.segments]
+        grouped: list[list[SegmentOutcome]] = [[] for _ in call.segments]
         for piece, outcome in zip(planned.pieces, result.segments):
-            outcomes[piece.index].append(outcome)
-        return cls(call, tuple(map(tuple, outcomes)), MappingProxyType(_as_served(planned.decisions, outcomes)), result)
-
-    @cached_property
-    def kvs(self) -> tuple[SegmentKV | None, ...]:
-        return tuple(joined([o.kv for o in parts]) for parts in self.outcomes)
-
-    @cached_property
-    def hiddens(self) -> tuple[torch.Tensor | None, ...]:
-        """(T, hidden size) per segment, when the strategy asked for them."""
-        return tuple(joined_hidden([o.hidden for o in parts]) for parts in self.outcomes)
+            grouped[piece.index].append(outcome)
+        outcomes = tuple(map(tuple, grouped))
+        return cls(call, outcomes, MappingProxyType(_as_served(planned.decisions, grouped)), result,
+                   tuple(joined([o.kv for o in parts]) for parts in outcomes),
+                   tuple(joined_hidden([o.hidden for o in parts]) for parts in outcomes))
 
     def shared(self) -> Iterator[tuple[int, Segment, Sequence[int], PHDecision, str, SegmentKV | None]]:
         """(index, segment, tokens, decision, how, kv) of every PH segment: `how` is the decision
