@@ -24,7 +24,6 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field
-from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -36,16 +35,9 @@ from agentcache.engine.eviction import SHARED, AgentAwarePolicy, Dispatch, Evict
 from agentcache.engine.vllm.engine import VLLMConfig
 from agentcache.errors import CapacityError, InputError
 from agentcache.policies import make_policy
-from agentcache.scout import BeladyPolicy, SurvivalPolicy, Trace, TTLPolicy, WorkloadSpec, generate
-
-BS = 16
-SPEC = WorkloadSpec(topology="selector", sessions=6, turns=6, prefix_tokens=(64, 160), query_tokens=16,
-                    output_tokens=16, seed=3)
-
-
-@lru_cache(maxsize=None)
-def trace_of(spec: WorkloadSpec) -> Trace:
-    return generate(spec)
+from agentcache.scout import BeladyPolicy, SurvivalPolicy, Trace, TTLPolicy
+from tests.test_scout import BS, trace_of
+from tests.test_scout import SMALL as SPEC
 
 
 def tight(trace: Trace) -> int:
