@@ -30,7 +30,7 @@ from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RopeAlignmentError
-from agentcache.isolation import Scope, engine_session, tenant_salt
+from agentcache.isolation import Scope
 from agentcache.metrics import CallLog, CallResult
 from agentcache.models import DEFAULT_MODEL
 from agentcache.scout.driver import ScoutDriver
@@ -186,7 +186,7 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - the call's result stands
                 self.corrector.fault("commit_error", f"remembering agent {call.agent!r}'s output for its session", exc)
             total_s = time.perf_counter() - flight.started  # to the last token, anchors and session included
-            session, namespace = engine_session(tokenized.scope), tenant_salt(call.tenant)
+            session, namespace = flight.plan.request.session, flight.plan.request.cache_salt  # as planned
             try:
                 self.scout.observe(call.agent, session, namespace, tokenized.prompt, prefix, result.token_ids,
                                    call.session)

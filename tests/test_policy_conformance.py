@@ -175,6 +175,16 @@ class Report:
     decided: int = 0  # evictions where a candidate of higher key was at hand (a wrong pick was possible)
     ordered: int = 0  # neighbours in priority order that the contract orders strictly
 
+    def judge(self, who: str, key: Callable[[Any], Any], candidates: list, victim: Any, *,
+              verb: str = "evicted") -> None:
+        """`victim` must rank lowest among `candidates` under the contract's `key`."""
+        worst = key(victim)
+        better = [b for b in candidates if key(b) < worst]
+        assert not better, (f"{who}: {verb} block {victim.block_id} (key {worst}) while block "
+                            f"{better[0].block_id} ranks lower under the contract (key {key(better[0])})")
+        self.decided += any(key(b) > worst for b in candidates)
+        self.victims.append((victim.block_id, victim.block_hash))
+
 
 def replay(case: Case, policy: EvictionPolicy | None = None, trace: Trace | None = None, *,
            order: bool = True) -> Report:
@@ -187,16 +197,8 @@ def replay(case: Case, policy: EvictionPolicy | None = None, trace: Trace | None
     key = case.contract(policy, seen)
     report = Report()
 
-    def judge(candidates: list[Block], victim: Block) -> None:
-        worst = key(victim)
-        better = [b for b in candidates if key(b) < worst]
-        assert not better, (f"{case.name}: evicted block {victim.block_id} (key {worst}) while block "
-                            f"{better[0].block_id} ranks lower under the contract (key {key(better[0])})")
-        report.decided += any(key(b) > worst for b in candidates)
-        report.victims.append((victim.block_id, victim.block_hash))
-
     pool = JudgedPool(tight(trace), BS, policy)
-    pool.judge = judge
+    pool.judge = lambda candidates, victim: report.judge(case.name, key, candidates, victim)
     for request in trace:
         seen.step += 1
         tokens = trace.cached_tokens(request)
@@ -304,12 +306,7 @@ def replay_vllm(build: Callable[[], AgentAwarePolicy], trace: Trace | None = Non
             if uncached:
                 assert victim.block_hash is None, f"cached block {victim.block_id} went before an uncached one"
             elif leaves:
-                worst = key(victim)
-                better = [b for b in leaves if key(b) < worst]
-                assert not better, (f"vllm: handed out block {victim.block_id} (score {worst}) while block "
-                                    f"{better[0].block_id} scores lower ({key(better[0])})")
-                report.decided += any(key(b) > worst for b in leaves)
-                report.victims.append((victim.block_id, victim.block_hash))
+                report.judge("vllm", key, leaves, victim, verb="handed out")
             released.pop(victim.block_id, None)
             parent_of.pop(victim.block_id, None)
             return victim
