@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from agentcache.errors import InputError
 from agentcache.scout.config import ScoutConfig
 
-__all__ = ["RuntimeConfig"]
+__all__ = ["RuntimeConfig", "LEARN_MODES"]
+
+LEARN_MODES = ("idle", "after_call")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class RuntimeConfig:
     self_check: bool = True  # verify re-alignment and correction on this model before correcting
     keep_kv: bool = False  # keep each call's KV and engine result on its CallResult (for measuring)
     warmup: bool = False  # between calls, prefill the predicted next agent's prefix (CacheScout)
+    # when the strategy learns from a finished call (anchors, verification): "idle" (when no call
+    # is in flight, or within a CPU budget: `agentcache.idle`) or "after_call" (before `run`
+    # returns: deterministic decisions, for evaluations and tests)
+    learn: str = "idle"
     # the warm-up gate and rate limit (r_min, warmup_min_gap); the learning constants too when the
     # engine's eviction policy is not Survival (Survival brings its own ScoutConfig)
     scout: ScoutConfig = field(default_factory=ScoutConfig)
@@ -31,6 +37,8 @@ class RuntimeConfig:
                 raise InputError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
         if type(self.keep_calls) is not int or self.keep_calls < 0:
             raise InputError(f"RuntimeConfig.keep_calls must be an int >= 0 (0 keeps no records), got {self.keep_calls!r}")
+        if self.learn not in LEARN_MODES:
+            raise InputError(f"RuntimeConfig.learn must be one of {LEARN_MODES}, got {self.learn!r}")
         if not isinstance(self.scout, ScoutConfig):
             raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
 

@@ -25,11 +25,13 @@ import torch
 from agentcache.calls import CallPlan, plan_call
 from agentcache.config import RuntimeConfig
 from agentcache.correction import make_corrector
+from agentcache.correction.persist import AnchorFiles
 from agentcache.correction.plan import Served
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RopeAlignmentError
+from agentcache.idle import IdleWorker
 from agentcache.isolation import Scope
 from agentcache.metrics import CallLog, CallResult
 from agentcache.models import DEFAULT_MODEL
@@ -41,6 +43,8 @@ from agentcache.sessions import SessionTable
 from agentcache.transcript import ChatML, chat_format
 
 __all__ = ["Runtime", "RuntimeConfig"]
+
+LEARN_TIMEOUT_S = 120.0  # `close` waits at most this long for pending learning
 
 
 @dataclass
@@ -61,9 +65,12 @@ class Runtime:
 
     def __init__(self, engine: Engine | None = None, *, model: Any = None, strategy: str | Strategy = "kvcmas",
                  config: RuntimeConfig | None = None, check: CheckReport | None = None,
-                 recorder: TraceRecorder | None = None, on_call: Callable[[CallResult], None] | None = None) -> None:
+                 recorder: TraceRecorder | None = None, on_call: Callable[[CallResult], None] | None = None,
+                 anchors_dir: str | Path | None = None) -> None:
         """`check`: a self-check report to trust instead of running the check; `on_call`: called with
-        every finished call's record (e.g. `metrics.JsonlSink(path)`)."""
+        every finished call's record (e.g. `metrics.JsonlSink(path)`); `anchors_dir`: where the
+        strategy's anchor pools and verification records persist (`correction.persist`): loaded
+        for each tenant when it first calls, saved by `save_anchors()` and `close()`."""
         self.config = RuntimeConfig.checked(config)
         check = CheckReport.checked(check)
         self.log = CallLog(self.config.keep_calls, on_call)
@@ -80,6 +87,11 @@ class Runtime:
         self._flying: set[object] = set()  # a ticket per call between entering the runtime and settling
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan")  # `arun`'s planning
         self._learner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")  # `arun`'s learning and settling
+        # what finished calls teach the strategy, learned while no call is in flight
+        self._idle = IdleWorker(lambda: not self._flying, self._lock, on_fault=self._lesson_failed)
+        self.anchors = AnchorFiles.open(anchors_dir, self.engine, self.corrector)  # None: not persisted
+        if self.anchors is not None:
+            self.anchors.load(None)  # the default tenant now: a mismatched file is refused here
 
     # --- running calls -------------------------------------------------------------------
 
@@ -144,6 +156,8 @@ class Runtime:
         try:
             with self._lock, torch.inference_mode():
                 locked_s = time.perf_counter() - started  # waiting for other calls' planning or settling
+                if self.anchors is not None:
+                    self.anchors.load(call.tenant)  # once per tenant
                 plan = plan_call(self.engine, self.corrector, call, sampling, runtime_id=self.id, on_token=on_token,
                                  capture_all=self.config.keep_kv)  # measuring keeps every segment's KV
         except BaseException:
@@ -154,6 +168,11 @@ class Runtime:
     def _land(self, flight: _Flight) -> None:
         """The call is settled or failed: no longer in flight."""
         self._flying.discard(flight.ticket)
+        self._idle.poke()
+
+    def _lesson_failed(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            self.corrector.fault("lesson_error", f"learning from a finished call ({name})", exc)
 
     def _submit(self, flight: _Flight) -> Future:
         flight.submitted = time.perf_counter()
@@ -171,7 +190,9 @@ class Runtime:
         """The strategy learns from what was served with no lock held (factorizing anchors), then,
         under the lock, settles it; the session keeps the output, CacheScout learns who ran, and the
         call log keeps the call's figures."""
-        call, served = flight.call, Served.of(flight.plan.tokenized, flight.plan.planned, result)
+        call = flight.call
+        served = Served.of(flight.plan.tokenized, flight.plan.planned, result,
+                           greedy=flight.plan.request.sampling.temperature == 0)
         try:
             with torch.inference_mode():
                 prepared = self.corrector.prepare(served)
@@ -179,6 +200,11 @@ class Runtime:
             prepared = None
         with self._lock, torch.inference_mode():
             self.corrector.settle(served, prepared)
+            try:
+                lessons = self.corrector.lessons(served)  # learned later: when idle, or before returning
+            except Exception as exc:  # noqa: BLE001 - the call's result stands
+                self.corrector.fault("lesson_error", f"planning what agent {call.agent!r}'s call teaches", exc)
+                lessons = []
             reports, tokenized = served.reports(), flight.plan.tokenized
             prefix = tokenized.fixed_prefix  # the agent's own leading context, for CacheScout
             try:
@@ -198,6 +224,10 @@ class Runtime:
                                     queued_s=flight.locked_s + result.queued_s, total_s=total_s,
                                     kvs=served.kvs if self.config.keep_kv else None)
             self.log.record(outcome)
+        if self.config.learn == "after_call":
+            self._idle.run_now(lessons)
+        else:
+            self._idle.submit(lessons)
         return outcome
 
     # --- records, sessions, warm-up, gate ------------------------------------------------
@@ -232,10 +262,28 @@ class Runtime:
         return self.sessions.texts(Scope(tenant, session))
 
     def close(self) -> None:
-        """Let a planned warm-up finish (call before exiting: the engine's loop is a daemon thread)."""
+        """Let a planned warm-up and the pending learning finish, and save the anchor pools when
+        they persist (call before exiting: the engine's loop is a daemon thread)."""
+        self.scout.wait()
+        self._idle.drain(LEARN_TIMEOUT_S)
+        self.save_anchors()
+
+    def save_anchors(self) -> list[Path]:
+        """Write every tenant's anchor pools and verification records to `anchors_dir`, each
+        tenant's file atomically; the files written (none when the pools do not persist)."""
+        if self.anchors is None:
+            return []
+        with self._lock:
+            return self.anchors.save()
+
+    def wait_warmup(self) -> None:
+        """Let a planned warm-up finish."""
         self.scout.wait()
 
-    wait_warmup = close
+    def learned(self, timeout: float | None = None) -> bool:
+        """Wait until what the finished calls teach (anchors, verification) has been learned; it is
+        learned while no call is in flight. False when `timeout` passed first."""
+        return self._idle.drain(timeout)
 
     def __enter__(self) -> Runtime:
         return self
@@ -262,6 +310,7 @@ class Runtime:
                 sessions=len(self.sessions), sessions_forgotten=self.sessions.forgotten,
                 faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
                 eviction=getattr(self.engine.eviction_policy, "name", None), **self.scout.figures(),
+                **self._idle.figures(), **(self.anchors.figures() if self.anchors is not None else {}),
                 dispatches=self.log.dispatch_counts())
 
     def export_json(self, path: str | Path) -> Path:

@@ -2,7 +2,7 @@
 
 1. RoPE re-alignment: a probe text's keys computed at one position and re-aligned to another
    must match the keys computed there (layer 0, which depends on position only).
-2. Correction fidelity: a short three-agent probe workflow runs KVCMAS (gate open, so every
+2. Correction fidelity: a short three-agent probe workflow runs KVCMAS (entropy gate open, so every
    edge with two anchors is corrected) beside dense prefill; corrected shared-segment KV must
    be closer to the dense KV than the raw aligned reuse is.
 
@@ -106,7 +106,8 @@ def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckRepor
                            f"(tolerance {tolerance:.0e})", rope, None, None, 0)
 
     reuse_engine, dense_engine = engine.fresh(), engine.fresh()
-    reuse = Corrector(reuse_engine, STRATEGIES["kvcmas"].replace(tau=1.0), _PROBE_BYTES, _PROBE_BYTES)  # gate open
+    reuse = Corrector(reuse_engine, STRATEGIES["kvcmas_entropy"].replace(tau=1.0), _PROBE_BYTES,
+                      _PROBE_BYTES)  # the gate open: every edge with two anchors is corrected
     dense = Corrector(dense_engine, STRATEGIES["nonshared"], _PROBE_BYTES, _PROBE_BYTES)
     corrected, raw = [], []
     for query in _PROBE_QUERIES:

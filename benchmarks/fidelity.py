@@ -48,8 +48,8 @@ ORDER = ["nonshared", "fullshared", "kvcomm", "kvcomm_canonical", "kvcmas", "kvc
 # delta correction with its gate held at ρ = 0.8 and 0.6 (from the warm-up's 4th eligible segment on)
 CALIBRATE_EVERY = 4
 MATCHED = {
-    "kvcmas_rho0.8": ("kvcmas", dict(target_reuse=0.8, calibrate_after=CALIBRATE_EVERY)),
-    "kvcmas_rho0.6": ("kvcmas", dict(target_reuse=0.6, calibrate_after=CALIBRATE_EVERY)),
+    "kvcmas_rho0.8": ("kvcmas_entropy", dict(target_reuse=0.8, calibrate_after=CALIBRATE_EVERY)),
+    "kvcmas_rho0.6": ("kvcmas_entropy", dict(target_reuse=0.6, calibrate_after=CALIBRATE_EVERY)),
     "cacheblend_rho0.9": ("cacheblend", dict(rho=0.9)),
     "cacheblend_rho0.8": ("cacheblend", dict(rho=0.8)),
     "droidspeak_rho0.9": ("droidspeak", dict(rho=0.9)),

@@ -12,8 +12,10 @@ trajectories dispatched at once; completed trajectories per second), and each lo
 fraction of it (`--loads`), so a point means the same on any machine; the absolute request rate
 (4 requests per trajectory) is printed beside it. Each strategy keeps one runtime per context
 length: `--warmup` trajectories fill its anchor pools (and profile DroidSpeak's layers); the
-delta-correction gates are held at `--rho-delta` reuse from their 8th eligible segment on, in
-the warm-up (`correction.calibration`; `kvcomm` keeps KVCOMM's own gate, τ = 0.3 on raw distances); selective recomputation
+KVCMAS and its ablations run with their defaults (verified acceptance, the cost model); an
+entropy-gated strategy (`kvcmas_entropy`, `kvcomm_canonical`) is held at `--rho-delta` reuse from
+its 8th eligible segment on, in the warm-up (`correction.calibration`; `kvcomm` keeps KVCOMM's own
+gate, τ = 0.3 on raw distances); selective recomputation
 runs at `--rho-selective`. Strategies take turns at every load point (the order
 rotates), each in a tenant of its own, so none is served another's prefix-cache blocks.
 
@@ -78,7 +80,7 @@ def strategies(rho_delta: float, rho_selective: float) -> dict[str, Strategy]:
         s = STRATEGIES[name]
         if s.kvcomm_procedure:
             pass  # KVCOMM as its authors run it: τ = 0.3 on raw distances, no calibration
-        elif s.correct and s.reuse:
+        elif s.correct and s.reuse and s.accept == "entropy":
             s = s.replace(target_reuse=rho_delta, calibrate_after=8)  # held at ρ from the 8th eligible segment
         elif s.recompute is not None:
             s = s.replace(rho=rho_selective)

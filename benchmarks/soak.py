@@ -108,7 +108,7 @@ def output_or_note(rt: Runtime, agent: str, session: str, tenant: str) -> Segmen
 def run(calls: int, warmup: int, seed: int, window: int = WINDOW) -> dict:
     torch.set_num_threads(1)
     engine = EmbeddedEngine("tiny-llama", EngineConfig(pool_blocks=1024))
-    rt = Runtime(engine, strategy=STRATEGIES["kvcmas"].replace(tau=1.0), config=RuntimeConfig(self_check=False))
+    rt = Runtime(engine, strategy=STRATEGIES["kvcmas_entropy"].replace(tau=1.0), config=RuntimeConfig(self_check=False))
     lookups = TimedLookups(rt.corrector.store)
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
     rng = random.Random(seed)

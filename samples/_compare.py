@@ -22,12 +22,14 @@ __all__ = ["StrategyRuns", "agent_means", "answer_scores", "figures", "format_ta
 class StrategyRuns:
     """One Runtime per strategy, each on its own block pool (embedded: over the same model weights;
     vLLM: an engine each). The model self-check runs once and is shared (it does not depend on the
-    strategy)."""
+    strategy). With `anchors_dir`, each strategy's anchor pools persist in a folder of its own
+    there, and `restart()` starts new runtimes from what the old ones saved."""
 
     model: str
     strategies: Sequence[str]
     progress: bool = True
     engine: str = "embedded"  # or "vllm": each strategy then has a vLLM engine of its own
+    anchors_dir: Path | None = None
     runtimes: dict[str, Runtime] = field(init=False)
     setup_s: float = field(init=False)  # loading and checking the model
 
@@ -36,15 +38,28 @@ class StrategyRuns:
 
         started = time.perf_counter()
         with tqdm(total=2, desc=f"loading {self.model}", unit="step", disable=not self.progress) as bar:
-            base = open_engine(self.engine, self.model, instance="check")
+            self._base = open_engine(self.engine, self.model, instance="check")
             bar.set_description(f"checking {self.model} (agentcache check)")
             bar.update(1)
-            check = check_model(base)
+            self._check = check_model(self._base)
             bar.update(1)
-        engines = {s: base.fresh() if self.engine == "embedded" else open_engine(self.engine, self.model, instance=s)
-                   for s in self.strategies}
-        self.runtimes = {s: Runtime(engines[s], strategy=s, check=check) for s in self.strategies}
+        self.runtimes = self._new_runtimes()
         self.setup_s = time.perf_counter() - started
+
+    def _new_runtimes(self) -> dict[str, Runtime]:
+        engines = {s: self._base.fresh() if self.engine == "embedded" else open_engine(self.engine, self.model, instance=s)
+                   for s in self.strategies}
+        return {s: Runtime(engines[s], strategy=s, check=self._check,
+                           anchors_dir=None if self.anchors_dir is None else Path(self.anchors_dir) / s)
+                for s in self.strategies}
+
+    def restart(self) -> dict[str, int]:
+        """Close every runtime (saving its anchor pools) and start new ones on empty caches, from
+        the saved pools; the anchors each new runtime loaded."""
+        for runtime in self.runtimes.values():
+            runtime.close()
+        self.runtimes = self._new_runtimes()
+        return {s: rt.summary().get("anchors_loaded", 0) for s, rt in self.runtimes.items()}
 
     def order(self, round_index: int) -> list[str]:
         """The strategies rotated by round, so none always runs first on a warm machine."""

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
-    assert main(["demo", "--model", "tiny-llama", "--problems", "2", "--expert-tokens", "4", "--decision-tokens", "4",
-                 "--results", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "demo.json").read_text())
-    assert (tmp_path / "demo.png").stat().st_size > 0
+    assert main(["demo", "--sample", "gsm8k_swarm", "--model", "tiny-llama", "--problems", "2", "--expert-tokens", "4",
+                 "--decision-tokens", "4", "--strategies", "kvcmas,nonshared,fullshared", "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "demo_gsm8k_swarm.json").read_text())
+    assert (tmp_path / "demo_gsm8k_swarm.png").stat().st_size > 0
     rows = {row["strategy"]: row for row in report["strategies"]}
     assert set(rows) == {"kvcmas", "nonshared", "fullshared"}
     for row in rows.values():
@@ -25,19 +25,27 @@ def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
     assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.5
     assert rows["kvcmas"]["ttft_vs_baseline"] > 0 and rows["nonshared"]["agree"] == 1.0
     out = capsys.readouterr().out
-    assert "reuse ratio" in out and "kvcmas" in out and "demo.png" in out
+    assert "reuse ratio" in out and "kvcmas" in out and "demo_gsm8k_swarm.png" in out
 
 
-def test_demo_runs_the_document_team_sample(tmp_path, capsys):
-    assert main(["demo", "--sample", "document_team", "--model", "tiny-llama", "--documents", "1", "--warmup", "1",
-                 "--people", "6", "--strategies", "kvcmas", "--note-tokens", "3", "--answer-tokens", "3",
-                 "--results", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "demo_document_team.json").read_text())
-    assert (tmp_path / "demo_document_team.png").stat().st_size > 0
+def test_demo_runs_the_document_team_and_a_second_run_from_the_saved_anchors(tmp_path, capsys):
+    """The default demo: KVCMAS against NonShared on the document team, then new runtimes started
+    from the anchor pools the first saved (the sample is shrunk to a tiny model and short documents)."""
+    anchors = tmp_path / "anchors"
+    assert main(["demo", "--model", "tiny-llama", "--documents", "1", "--people", "6", "--note-tokens", "3",
+                 "--answer-tokens", "3", "--anchors-dir", str(anchors), "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert (tmp_path / "demo.png").stat().st_size > 0
     assert [row["strategy"] for row in report["strategies"]] == ["kvcmas", "nonshared"]
     assert report["documents"] == 1 and report["warmup_documents"] == 1
+    second = report["second_run"]
+    assert second["documents"] == 2 and [row["strategy"] for row in second["strategies"]] == ["kvcmas", "nonshared"]
+    assert second["anchors_loaded"]["nonshared"] == 0
+    assert list(anchors.glob("kvcmas/*/default.safetensors")), "the first runtime saved its pools"
+    for row in report["strategies"] + second["strategies"]:
+        assert row["workflow_wall_s"] > 0 and row["prefill_tokens_per_workflow"] > 0 and 0 <= row["agree"] <= 1
     out = capsys.readouterr().out
-    assert "document team" in out and "3 later agents vs nonshared" in out
+    assert "document team" in out and "3 later agents vs nonshared" in out and "Second run" in out
     with pytest.raises(SystemExit):  # argparse refuses a bad count before anything loads
         main(["demo", "--sample", "document_team", "--documents", "0"])
 

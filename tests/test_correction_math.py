@@ -38,6 +38,15 @@ def test_full_rank_reconstructs_and_dense_keeps_the_matrix():
     assert dense.nbytes == 2 * 40 * 16 * 4
 
 
+def test_factors_are_kept_dense_where_low_rank_is_not_smaller():
+    short = _matrix(2, 12, 48, rank=6)  # rank 32 of a 12 x 48 matrix: 32·60 > 12·48 numbers
+    factors = factorize(short, 32)
+    assert factors.rank is None and torch.equal(factors.rows(), short)
+    assert factors.nbytes == 2 * 12 * 48 * 4
+    long = _matrix(2, 200, 48, rank=6)
+    assert factorize(long, 8).rank == 8 and factorize(long, 8).nbytes < factorize(long, None).nbytes
+
+
 def test_byte_accounting_is_exact():
     factors = factorize(_matrix(4, 50, 24, rank=5), 8)
     assert factors.nbytes == 4 * (50 * 8 + 8 * 24) * 4

@@ -21,8 +21,8 @@ ROLES = {"planner": "You plan the trip step by step.\n", "local": "You know the 
 
 
 def runtime(strategy: str = "kvcmas", **config) -> Runtime:
-    return Runtime(make_engine("tiny-llama", pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=1.0),
-                   config=RuntimeConfig(self_check=False, keep_kv=True, **config))
+    return Runtime(make_engine("tiny-llama", pool_blocks=512), strategy=STRATEGIES[strategy].replace(accept="entropy", tau=1.0),
+                   config=RuntimeConfig(self_check=False, keep_kv=True, learn="after_call", **config))
 
 
 def role_call(agent: str, query: str, session: str | None = None) -> AgentCall:

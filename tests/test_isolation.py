@@ -27,8 +27,8 @@ ROLE["b/x"] = ROLE["x"]  # the same prompt under a name that collided with ("a/b
 
 
 def runtime(strategy: str = "kvcmas", preset: str = "tiny-llama", **config) -> Runtime:
-    return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=1.0),
-                   config=RuntimeConfig(self_check=False, keep_kv=True, **config))
+    return Runtime(make_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(accept="entropy", tau=1.0),
+                   config=RuntimeConfig(self_check=False, keep_kv=True, learn="after_call", **config))
 
 
 def call(agent: str, query: str, session: str | None = None, tenant: str | None = None) -> AgentCall:

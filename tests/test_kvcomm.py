@@ -35,7 +35,7 @@ def kvcomm_runtime(new_engine):
     def build(tau: float = 1.0, **changes) -> Runtime:
         strategy = STRATEGIES["kvcomm"].replace(tau=tau, **changes)
         return Runtime(new_engine("tiny-llama", pool_blocks=512), strategy=strategy,
-                       config=RuntimeConfig(self_check=False, keep_kv=True))
+                       config=RuntimeConfig(self_check=False, keep_kv=True, learn="after_call"))
 
     return build
 

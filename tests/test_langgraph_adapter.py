@@ -28,7 +28,7 @@ from agentcache_langgraph.messages import AGENT_KEY, to_call
 # As in test_runtime: the gate is open (tau=1) because random weights give arbitrary gate entropies,
 # and the self-check (it passes on tiny-llama, in seconds) is skipped. The anchor pools keep every
 # anchor of the test (no eviction), so that reuse does not depend on the order the experts ran in.
-KVCMAS = STRATEGIES["kvcmas"].replace(tau=1.0, max_anchors=32)
+KVCMAS = STRATEGIES["kvcmas"].replace(accept="entropy", tau=1.0, max_anchors=32)
 EXPERTS = {
     "historian": "You are a historian. Judge the question by its past.",
     "economist": "You are an economist. Judge the question by its costs.",
@@ -40,7 +40,7 @@ REUSED = {"corrected", "reused", "prefix_hit"}
 
 
 def make_runtime() -> Runtime:
-    return Runtime(make_engine("tiny-llama", pool_blocks=256), strategy=KVCMAS, config=RuntimeConfig(self_check=False))
+    return Runtime(make_engine("tiny-llama", pool_blocks=256), strategy=KVCMAS, config=RuntimeConfig(self_check=False, learn="after_call"))
 
 
 class State(TypedDict, total=False):

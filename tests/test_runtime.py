@@ -24,7 +24,7 @@ ROLES = {
     "critic": "You look for mistakes in every plan you read.\n",
 }
 ONE = SamplingParams(max_tokens=1)
-NO_CHECK = RuntimeConfig(self_check=False, keep_kv=True)
+NO_CHECK = RuntimeConfig(self_check=False, keep_kv=True, learn="after_call")
 
 
 @pytest.fixture
@@ -34,8 +34,8 @@ def runtime(new_engine):
     give a correction and the tests do not depend on random-weight entropies."""
 
     def build(strategy: str, preset: str = "tiny-llama", tau: float = 1.0, **config) -> Runtime:
-        return Runtime(new_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(tau=tau),
-                       config=RuntimeConfig(self_check=False, keep_kv=True, **config))
+        return Runtime(new_engine(preset, pool_blocks=512), strategy=STRATEGIES[strategy].replace(accept="entropy", tau=tau),
+                       config=RuntimeConfig(self_check=False, keep_kv=True, learn="after_call", **config))
 
     return build
 
@@ -136,7 +136,7 @@ def test_gemma_four_agent_workflow_fans_in_and_corrects_better_than_raw_reuse(ne
     from agentcache.tasks import FourAgentWorkflow, fact_problem
 
     workflow = FourAgentWorkflow(role_tokens=6, final_tokens=6)
-    runs = {name: Runtime(new_engine("gemma3-270m", pool_blocks=256), strategy=STRATEGIES[name].replace(tau=1.0),
+    runs = {name: Runtime(new_engine("gemma3-270m", pool_blocks=256), strategy=STRATEGIES[name].replace(accept="entropy", tau=1.0),
                           config=NO_CHECK)  # the gate open: this is about the correction path
             for name in ("kvcmas", "fullshared", "nonshared")}
     for seed in (100, 101):
@@ -409,18 +409,23 @@ def test_runtime_refuses_correction_on_a_model_that_fails_the_check(new_engine):
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_only_shared_segments_kv_comes_back_from_the_engine(new_engine, preset):
     """The corrector keeps PH segments' KV only: PF segments are not copied back, unless the runtime
-    keeps every call's KV for measuring (`keep_kv`)."""
+    keeps every call's KV for measuring (`keep_kv`). A shared segment too short to be worth reuse
+    work is not copied back either: it runs as NonShared would."""
     requests = []
     for keep in (False, True):  # 64 blocks, as the conformance suite's engines: on vLLM they share one
         rt = Runtime(new_engine(preset, pool_blocks=64), strategy="kvcmas",
                      config=RuntimeConfig(self_check=False, keep_kv=keep))
         submit = rt.engine.submit
         rt.engine.submit = lambda request, submit=submit: (requests.append(request), submit(request))[1]
-        rt.run(AgentCall(agent="a", segments=(Segment.pf("You plan. "), Segment.ph("query", "Go to Rome."),
-                                              Segment.pf(" Plan:"))), SamplingParams(max_tokens=2))
-    lean, kept = requests
+        for query in ("Go to Rome. " * 8, "Go to Rome."):
+            rt.run(AgentCall(agent="a", segments=(Segment.pf("You plan. "), Segment.ph("query", query),
+                                                  Segment.pf(" Plan:"))), SamplingParams(max_tokens=2))
+        # the short query and both 1-token outputs ran as NonShared: only the long query is a source
+        assert rt.summary()["not_worth_segments"] == 3 and len(rt.corrector.store) == 1
+    lean, short, kept, kept_short = requests
     assert [s.capture for s in lean.segments] == [False, True, False]
-    assert all(s.capture for s in kept.segments)
+    assert [s.capture for s in short.segments] == [False, False, False]
+    assert all(s.capture for s in kept.segments) and all(s.capture for s in kept_short.segments)
 
 
 def test_a_target_reuse_holds_the_gate_at_that_ratio(new_engine):
@@ -429,7 +434,7 @@ def test_a_target_reuse_holds_the_gate_at_that_ratio(new_engine):
     budget: `correction.calibration`); the budget's refusals are dense fallbacks like the gate's."""
     for target in (0.5, 0.8):
         rt = Runtime(new_engine("tiny-llama", pool_blocks=512),
-                     strategy=STRATEGIES["kvcmas"].replace(target_reuse=target, calibrate_after=8), config=NO_CHECK)
+                     strategy=STRATEGIES["kvcmas_entropy"].replace(target_reuse=target, calibrate_after=8), config=NO_CHECK)
         for seed in range(4):  # 2 eligible segments per chain: calibrated during the fourth
             chain(rt, text_of_length(rt.engine, 40, seed=seed))
         assert rt.corrector.calibrated is not None and rt.summary()["gate_calibration"]["target_reuse"] == target
@@ -466,7 +471,7 @@ def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up(
     assert len(reference) == 1 and reference[0].internal and not reference[0].warmup
     assert max(passes) > 8  # prefilled in the engine's prefill chunks, not the warm-up's
     stats = engine.cache_stats()
-    assert stats.lookup_blocks == sum(len(r.token_ids) // engine.block_size for r in seen if r.owner != "<reference>")
+    assert stats.lookup_blocks == sum(len(r.token_ids) // engine.block_size for r in seen if not r.internal)
 
 
 def test_new_anchors_are_factorized_with_no_runtime_lock_held(runtime):

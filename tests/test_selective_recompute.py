@@ -26,7 +26,7 @@ from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.tasks import FourAgentWorkflow, fact_problem
 from tests.conftest import make_engine, text_of_length
 
-NO_CHECK = RuntimeConfig(self_check=False)
+NO_CHECK = RuntimeConfig(self_check=False, learn="after_call")
 
 
 def _prompt(engine, seed: int = 0):

@@ -66,6 +66,11 @@ class Anchor:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.corrections.values())
 
+    @property
+    def dense_numel(self) -> int:
+        """Numbers in the KV (and corrections) this anchor describes, stored dense."""
+        return sum(part.dense_numel for part, _ in self._parts())
+
     def fits(self, num_layers: int, features: int) -> bool:
         """Shapes agree with the model and with each other (cheap: checked on every use)."""
         glue = [(f, len(c.glue_tokens)) for c in self.corrections.values() for f in c.glue]
@@ -129,6 +134,10 @@ class AnchorBank:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    @property
+    def dense_numel(self) -> int:
+        return sum(a.dense_numel for p in self.pools.values() for a in p.anchors.values())
 
     @property
     def num_anchors(self) -> int:

@@ -28,24 +28,28 @@ import torch
 
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.calibration import CALIBRATION_WINDOW, ReuseController
+from agentcache.correction.costs import CostModel
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.sources import SourceFinder
 from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
+from agentcache.correction.verification import SHADOW_TOKENS, Verdict, Verification, compare_outputs
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, SegmentPlan, Step
+from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.idle import Lesson
 from agentcache.engine.tokens import common_prefix
 from agentcache.errors import InputError
-from agentcache.isolation import Scope
+from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["Corrector", "PreparedAnchor", "UsedAnchors"]
+__all__ = ["Corrector", "PreparedAnchor", "UsedAnchors", "DEFERRED"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
+DEFERRED = object()  # `prepare`'s answer when the call's learning waits for idle time (`lessons`)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class Corrector(SharedContextStrategy):
         self.reuse_control: ReuseController | None = None  # from the first calibration on
         self.planned = 0  # segments ever logged in gate_log
         self.anchor_build_s = 0.0
+        self.verified = strategy.accept == "verified"
+        self.verification = Verification()
+        # KVCMAS weighs each segment's reuse against its cost; the baselines reuse whatever they can
+        self.costs = CostModel() if self.verified and strategy.reuse else None
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
         """Count and log one fault (`kind` is what summary()["faults"] reports)."""
@@ -97,6 +105,10 @@ class Corrector(SharedContextStrategy):
         pieces: list[Piece] = []
         for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
             pos = call.starts[index]
+            if seg.kind == "ph" and pos + len(tokens) > covered and not self._worth(len(tokens)):
+                decisions[index] = PHDecision("off", reason="not_worth")  # as NonShared: nothing captured or kept
+                pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all)))
+                continue
             if seg.kind == "ph" and pos + len(tokens) > covered:
                 decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source)
                 if decision.reused and decision.covered > covered - pos:
@@ -110,6 +122,13 @@ class Corrector(SharedContextStrategy):
                                                    capture=capture_all or seg.kind == "ph")))
         return Planned(tuple(pieces), MappingProxyType(decisions))
 
+    def _worth(self, tokens: int) -> bool:
+        """Whether a shared segment this long is worth any reuse work (always, for the baselines)."""
+        if self.costs is None or self.costs.worth(tokens):
+            return True
+        self.costs.skipped(tokens)
+        return False
+
     def _injected(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:
         """A reused segment's engine segments: its covered part injected (the engine re-aligns it
         from canonical start 0), the rest prefilled."""
@@ -119,29 +138,134 @@ class Corrector(SharedContextStrategy):
             plans.append(SegmentPlan(slot, tokens[cover:], Step.PREFIX))
         return plans
 
-    def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:
-        """The anchors `settle` would insert, per PH segment, built without changing anything: the
-        runtime factorizes them with no lock held, so other calls' planning does not wait for it."""
-        return {index: self.prepare_anchor(served.call.agent, tokens, decision, kv, kv is not None and kv.exact)
-                for index, _, tokens, decision, _, kv in served.shared()}
+    # learning from a finished call waits for idle time (`lessons`); subclasses that learn in
+    # `prepare` (KVCOMM's reference procedure) turn this off
+    learns_when_idle = True
 
-    def settle(self, served: Served, prepared: Mapping[int, PreparedAnchor | None] | None = None) -> None:
-        """Record how each PH segment was materialized (with the anchors `prepare` built, when
-        given) and the agent's output. A fault while recording is counted and costs only what it
-        touched; the call's result stands."""
+    def prepare(self, served: Served) -> Mapping[int, PreparedAnchor | None] | object:
+        """`DEFERRED`: what this call teaches is built when the engine is idle (`lessons`)."""
+        return DEFERRED if self.learns_when_idle else {}
+
+    def settle(self, served: Served, prepared: Mapping[int, PreparedAnchor | None] | object | None = None) -> None:
+        """Record how each PH segment was materialized and the agent's output: the sources of the
+        next edges. Anchors come from `lessons` when `prepared` is DEFERRED, from `prepared` when
+        it maps segments to anchors, and are built here when it is None. A fault while recording
+        is counted and costs only what it touched; the call's result stands."""
         call, result = served.call, served.result
+        self._observe_costs(served)
         for index, seg, tokens, decision, how, kv in served.shared():
+            if decision.decision == "off":
+                continue
+            anchor = (None if prepared is DEFERRED else
+                      prepared.get(index) if isinstance(prepared, Mapping) else False)
             try:  # anchors learn only from KV known exact for this prompt (its digest says so)
                 self.commit(call.scope, call.agent, seg.slot, tokens, decision, kv, how,
                             own_tokens_exact=kv is not None and kv.exact, hidden=served.hiddens[index],
-                            prepared=prepared.get(index) if prepared is not None else False)
+                            prepared=anchor)
             except Exception as exc:  # noqa: BLE001
                 self.fault("commit_error", f"recording agent {call.agent!r}'s segment {seg.slot!r}", exc)
         try:
-            self.record_output(call.scope, call.agent, result.token_ids[:-1], result.generated_kv,
-                               result.generated_hidden)
+            if self._worth(max(0, len(result.token_ids) - 1)):
+                self.record_output(call.scope, call.agent, result.token_ids[:-1], result.generated_kv,
+                                   result.generated_hidden)
         except Exception as exc:  # noqa: BLE001
             self.fault("commit_error", f"recording agent {call.agent!r}'s output", exc)
+
+    def _observe_costs(self, served: Served) -> None:
+        """Time the call's prefill and its reused segments' planning for the cost model."""
+        if self.costs is None:
+            return
+        result = served.result
+        self.costs.observe_prefill(result.computed_tokens, max(0.0, result.ttft_s - result.queued_s))
+        for decision in served.decisions.values():
+            if decision.reused:
+                self.costs.observe_reuse(decision.covered, decision.plan_s)
+
+    def lessons(self, served: Served) -> list[Lesson]:
+        """What a settled call teaches, to learn when the engine is idle: for each PH segment
+        prefilled densely while it had a source, whether reusing it would have given the same
+        output (shadow runs, `verification`) and the correction it observed (an anchor)."""
+        if not (self.learns_when_idle and self.strategy.reuse and self.strategy.correct):
+            return []
+        lessons = []
+        for index, seg, tokens, decision, _, kv in served.shared():
+            if not (kv is not None and kv.exact and decision.decision == "fallback" and decision.source is not None):
+                continue
+            edge = _edge(served.call.scope.tenant, seg.slot, decision.source, served.call.agent)
+            candidates = tuple(self.bank.candidates(edge[:2], edge[2], edge[3]))  # as they are now
+            lessons.append(Lesson(
+                f"{seg.slot} {edge[2]}->{edge[3]}",
+                lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates:
+                    self._study(served, index, tokens, decision, kv, candidates),
+                lambda studied, edge=edge: self._learn(edge, studied)))
+        return lessons
+
+    def _study(self, served: Served, index: int, tokens: Sequence[int], decision: PHDecision, kv: SegmentKV,
+               candidates: Sequence[Anchor]) -> tuple[list[Verdict], float, PreparedAnchor | None]:
+        """A lesson's work, with no lock held: the shadow runs of each reuse method the edge could
+        serve (verified acceptance) and the anchor of the observed correction."""
+        source, agent = decision.source, served.call.agent
+        verdicts, started = [], time.perf_counter()
+        shared = common_prefix(source.token_ids, tokens)
+        if self.verified and shared and _exact_reference(served, index):
+            aligned = self.engine.realign(source.kv.slice(0, shared), 0)
+            methods = [("raw", aligned)]
+            layout = self.engine.layout
+            usable = [a for a in candidates if _fits(a, layout.num_layers, layout.num_kv_heads * layout.head_dim)]
+            if usable:
+                corrected = self._corrected(aligned, usable, min(shared, max(a.length for a in usable)), agent)
+                if corrected is not None:
+                    methods.insert(0, ("corrected", corrected))
+            verdicts = [self._shadow(served, index, shared, reused, method) for method, reused in methods]
+        shadow_s = time.perf_counter() - started
+        anchor = None
+        if not self._pool_settled(served.call.scope.tenant, source, tokens, agent):
+            anchor = self.prepare_anchor(agent, tokens, decision, kv, own_tokens_exact=True)
+        return verdicts, shadow_s, anchor
+
+    def _pool_settled(self, tenant: str | None, source: Materialization, tokens: Sequence[int], agent: str) -> bool:
+        """A full pool whose corrections this edge serves learns nothing worth its factorization."""
+        pool = self.bank.pools.get((tenant, source.slot))
+        record = self.verification.edges.get(_edge(tenant, source.slot, source, agent))
+        return (pool is not None and len(pool) >= pool.capacity and record is not None
+                and record.choice(can_correct=True) == "corrected")
+
+    def _shadow(self, served: Served, index: int, shared: int, reused: SegmentKV, method: str) -> Verdict:
+        """Replay the served call with segment `index`'s first `shared` tokens served by `reused`
+        (canonical positions) and compare its output with the call's (prefilled densely)."""
+        call, result = served.call, served.result
+        plans = []
+        for i, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
+            if i == index:
+                plans.append(SegmentPlan(seg.slot, tokens[:shared], Step.INJECT, reused))
+                tokens = tokens[shared:]
+            if tokens:
+                plans.append(SegmentPlan(seg.name, tokens, Step.PREFIX, capture=False))
+        greedy_tokens = list(result.token_ids) if served.greedy else None
+        max_tokens = max(1, min(SHADOW_TOKENS, len(result.token_ids))) if served.greedy else 1
+        shadow = self.engine.execute(ExecRequest(
+            plans, SamplingParams(max_tokens=max_tokens), cache_salt=tenant_salt(call.scope.tenant),
+            internal=True, capture_kv=False))  # lineage None: its approximate KV is never cached
+        return compare_outputs(method, result.last_logits, greedy_tokens, shadow.last_logits, shadow.token_ids)
+
+    def _learn(self, edge: tuple, studied: tuple[list[Verdict], float, PreparedAnchor | None]) -> None:
+        """A lesson's result, under the runtime's lock: the verdicts and the anchor."""
+        verdicts, shadow_s, anchor = studied
+        if verdicts:
+            self.verification.record(edge, verdicts, shadow_s)
+        if anchor is None:
+            return
+        self.anchor_build_s += anchor.seconds
+        if anchor.error is not None:
+            self.fault("anchor_build_error", f"no anchor from agent {edge[3]!r}'s fallback on slot {edge[1]!r}",
+                       anchor.error)
+        elif anchor.args is not None:
+            self._insert_anchor((edge[0], edge[1]), anchor.args)
+
+    def _insert_anchor(self, pool_key: tuple, args: tuple) -> None:
+        held = self.bank.anchor(pool_key, args[0])
+        if held is None or held.length == args[2].length:  # another call may have added one since
+            self.bank.add(pool_key, *args)
 
     def refused(self, decisions: Mapping[int, PHDecision], exc: BaseException, agent: str) -> None:
         self.fault("engine_rejected", f"the engine refused reused KV for agent {agent!r}; prefilling densely", exc)
@@ -156,7 +280,10 @@ class Corrector(SharedContextStrategy):
         return dict(
             anchors=self.bank.num_anchors, anchor_bytes=self.bank.nbytes, anchors_evicted=self.bank.evicted,
             store_bytes=self.store.nbytes, store_entries=len(self.store), anchor_build_s=self.anchor_build_s,
-            gate_tau=self.tau, gate_calibration=self.calibrated,
+            anchor_dense_bytes=self.bank.dense_numel * torch.empty((), dtype=self.engine.layout.dtype).element_size(),  # the KV they describe
+            gate_tau=self.tau, gate_calibration=self.calibrated, acceptance=self.strategy.accept,
+            **(self.verification.figures() if self.verified else {}),
+            **(self.costs.figures() if self.costs is not None else {}),
             faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
         )
 
@@ -227,6 +354,9 @@ class Corrector(SharedContextStrategy):
         source, shared = found
         if not self.engine.supports_realignment:
             return PHDecision("fallback", reason="not_realignable", source=source)
+        method, refusal = self._accepts(scope, agent, slot, source)  # bookkeeping only: before any tensor work
+        if refusal is not None:
+            return PHDecision("fallback", reason=refusal, source=source)
         if not self._source_is_sound(source):
             return PHDecision("fallback", reason="bad_source")
         try:
@@ -234,7 +364,22 @@ class Corrector(SharedContextStrategy):
         except Exception:
             self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
             raise
+        if method == "raw":
+            return PHDecision("reused", source=source, covered=shared, inject=aligned)
         return self._reuse(scope, agent, slot, source, shared, aligned, start)
+
+    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization) -> tuple[str | None, str | None]:
+        """(reuse method, refusal) from what is known without touching a tensor: verified
+        acceptance's record of the edge ("raw" or "corrected"), or for the entropy gate whether
+        the edge has the anchors it needs (None: decide later)."""
+        if not self.strategy.correct:
+            return None, None
+        candidates = self.bank.candidates((scope.tenant, slot), source.agent, agent)
+        if self.verified:
+            return self.verification.decide(_edge(scope.tenant, slot, source, agent), can_correct=bool(candidates))
+        if len(candidates) < (1 if self.strategy.max_anchors == 1 else 2):
+            return None, "few_anchors"
+        return None, None
 
     def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
                aligned: SegmentKV, start: int) -> PHDecision:
@@ -279,10 +424,10 @@ class Corrector(SharedContextStrategy):
                 self.bank.drop(pool_key, anchor)
                 return PHDecision("fallback", reason="bad_anchor", source=source)
         length = aligned.length
-        if self.strategy.max_anchors == 1 and len(candidates) == 1:  # V = 1: the sole anchor, no gate
-            compatible, k, entropy = candidates, min(length, candidates[0].length), None
-        elif len(candidates) < 2:
-            return PHDecision("fallback", reason="few_anchors", source=source)
+        entropy = None
+        if self.verified or (self.strategy.max_anchors == 1 and len(candidates) == 1):
+            # verified on this edge (or V = 1: the sole anchor): every anchor, no gate
+            compatible, k = candidates, min(length, max(a.length for a in candidates))
         else:
             # Compare over the longest prefix at least two anchors cover (App. A.3, Eq. 9-11).
             k = min(length, sorted((a.length for a in candidates), reverse=True)[1])
@@ -297,23 +442,32 @@ class Corrector(SharedContextStrategy):
                 return PHDecision("fallback", reason="gate", source=source, entropy=entropy)
             if self.reuse_control is not None and not self.reuse_control.allows(entropy, length):
                 return PHDecision("fallback", reason="budget", source=source, entropy=entropy)
+        corrected = self._corrected(aligned, compatible, k, agent)
+        if corrected is None:
+            self._drop_non_finite(pool_key, compatible)
+            return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
+        return PHDecision("corrected", source=source, covered=length, inject=corrected,
+                          entropy=entropy, detail=UsedAnchors(tuple(compatible)))
+
+    def _corrected(self, aligned: SegmentKV, anchors: Sequence[Anchor], k: int, agent: str) -> SegmentKV | None:
+        """`aligned` (canonical positions) with its first `k` tokens corrected for `agent` by the
+        anchors' interpolated corrections (Eq. 8); None when the result is not finite."""
+        layout = self.engine.layout
         corrected = []
         for part in ("keys", "values"):
             rows = as_rows(getattr(aligned, part)).float().clone()  # (L, S, F); a copy: the source stays intact
             delta, _ = interpolated_correction(
                 rows[1:, :k],  # rows past k stay the aligned source: no extrapolation past the anchors
-                [getattr(a, part) for a in compatible],
-                [getattr(a.corrections[agent], part) for a in compatible],
+                [getattr(a, part) for a in anchors],
+                [getattr(a.corrections[agent], part) for a in anchors],
                 TOKEN_WEIGHT_TEMPERATURE,
                 base_layer_offset=1,
             )
             rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
         if not all(bool(torch.isfinite(t).all()) for t in corrected):
-            self._drop_non_finite(pool_key, compatible)
-            return PHDecision("fallback", reason="nonfinite", source=source, entropy=entropy)
-        return PHDecision("corrected", source=source, covered=length, inject=SegmentKV(corrected[0], corrected[1], 0),
-                          entropy=entropy, detail=UsedAnchors(tuple(compatible)))
+            return None
+        return SegmentKV(corrected[0], corrected[1], 0)
 
     def _drop_non_finite(self, pool_key: tuple, anchors: list[Anchor]) -> None:
         self.faults["nonfinite"] += 1
@@ -363,9 +517,7 @@ class Corrector(SharedContextStrategy):
         if self.strategy.chained:
             self.store.put(scope, slot, agent, token_ids, kv, how, hidden=hidden)
         if anchor is not None:
-            held = self.bank.anchor((scope.tenant, slot), anchor[0])
-            if held is None or held.length == anchor[2].length:  # another call may have added one since
-                self.bank.add((scope.tenant, slot), *anchor)
+            self._insert_anchor((scope.tenant, slot), anchor)
 
     def _credit_uses(self, decision: PHDecision) -> None:
         """A reused segment credits every anchor its correction used."""
@@ -402,6 +554,25 @@ class Corrector(SharedContextStrategy):
             base_k, base_v = factorize(src_k, s.base_rank), factorize(src_v, s.base_rank)
         correction = Correction(factorize(delta_k, s.delta_rank), factorize(delta_v, s.delta_rank))
         return source.id, source.agent, base_k, base_v, agent, correction
+
+
+EXACT_SOURCES = ("dense", "prefix_hit", "decoded", "reference")  # how a source made without reused KV was made
+
+
+def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str) -> tuple:
+    """What verification keys its record by: a source that was itself reused carries its own error
+    along the chain, so reusing it is verified apart from reusing an exact one."""
+    return (tenant, slot, source.agent, consumer, source.how in EXACT_SOURCES)
+
+
+def _exact_reference(served: Served, index: int) -> bool:
+    """Whether the call is exact everywhere but possibly segment `index`: then its output is the
+    reference a shadow run of that segment is compared with."""
+    if not isinstance(served.result.last_logits, torch.Tensor):
+        return False
+    if any(d.reused for i, d in served.decisions.items() if i != index):
+        return False
+    return not any(o.lineage_tokens for parts in served.outcomes for o in parts)
 
 
 def _fits(anchor: Anchor, num_layers: int, features: int) -> bool:

@@ -224,6 +224,11 @@ class KVCommCorrector(Corrector):
                 offset += len(call.token_lists[j])
         return injected
 
+    learns_when_idle = False  # the reference procedure learns right after each call
+
+    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization) -> tuple[None, None]:
+        return None, None  # its own gate decides in `_correct`
+
     def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:
         """The anchor corrections the call's dense prefill teaches, segment and template text alike."""
         glue = self._glue(served)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Factors", "factorize", "as_rows", "from_rows"]
+__all__ = ["Factors", "factorize", "low_rank_is_smaller", "as_rows", "from_rows"]
 
 
 def as_rows(kv: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,11 @@ class Factors:
             held += self.b.numel() * self.b.element_size()
         return held
 
+    @property
+    def dense_numel(self) -> int:
+        """Numbers in the matrices these factors describe (L·T·F)."""
+        return self.num_layers * self.length * self.features
+
     def rows(self, count: int | None = None) -> torch.Tensor:
         """The first `count` rows of every layer, reconstructed: (L, count, F)."""
         a = self.a if count is None else self.a[:, :count]
@@ -79,19 +84,26 @@ class Factors:
         return bool(torch.isfinite(self.a).all()) and (self.b is None or bool(torch.isfinite(self.b).all()))
 
 
+def low_rank_is_smaller(tokens: int, features: int, rank: int) -> bool:
+    """Whether rank-`rank` factors of a `tokens` x `features` matrix hold fewer numbers than it."""
+    r = min(rank, tokens, features)
+    return r * (tokens + features) < tokens * features
+
+
 def factorize(rows: torch.Tensor, rank: int | None) -> Factors:
     """Rank-`rank` truncated SVD of each layer of `rows` (L, T, F); `None` keeps it dense.
 
     Computed from the eigenvectors of the smaller Gram matrix (F×F, or T×T for short segments):
     the same top singular directions as an SVD, at a fraction of its cost on a CPU. The rank is
-    clipped to min(T, F).
+    clipped to min(T, F). Where the factors would hold at least as many numbers as the matrix
+    (r·(T + F) ≥ T·F: short segments), the matrix is kept dense instead: smaller and exact.
     """
     rows = rows.float()
-    if rank is None:
-        return Factors(rows.clone(), None)
-    if rank < 1:
+    if rank is not None and rank < 1:
         raise ValueError(f"rank must be at least 1 or None (dense), got {rank}")
     layers, tokens, features = rows.shape
+    if rank is None or not low_rank_is_smaller(tokens, features, rank):
+        return Factors(rows.clone(), None)
     r = min(rank, tokens, features)
     if tokens >= features:
         gram = torch.bmm(rows.transpose(1, 2), rows).double()  # (L, F, F)

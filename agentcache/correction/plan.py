@@ -21,6 +21,7 @@ from agentcache.correction.store import Materialization
 from agentcache.engine.kv import SegmentKV, joined, joined_hidden
 from agentcache.engine.protocol import ExecResult, SegmentOutcome, SegmentPlan
 from agentcache.errors import InputError
+from agentcache.idle import Lesson
 from agentcache.isolation import Scope
 from agentcache.metrics import SegmentReport
 from agentcache.segments import Segment
@@ -98,16 +99,17 @@ class Served:
     result: ExecResult
     kvs: tuple[SegmentKV | None, ...]  # each segment's KV, when it came back
     hiddens: tuple[torch.Tensor | None, ...]  # (T, hidden size) each, when the strategy asked for them
+    greedy: bool = True  # the call decoded greedily: its tokens are the model's argmax continuation
 
     @classmethod
-    def of(cls, call: TokenizedCall, planned: Planned, result: ExecResult) -> Served:
+    def of(cls, call: TokenizedCall, planned: Planned, result: ExecResult, *, greedy: bool = True) -> Served:
         grouped: list[list[SegmentOutcome]] = [[] for _ in call.segments]
         for piece, outcome in zip(planned.pieces, result.segments):
             grouped[piece.index].append(outcome)
         outcomes = tuple(map(tuple, grouped))
         return cls(call, outcomes, MappingProxyType(_as_served(planned.decisions, grouped)), result,
                    tuple(joined([o.kv for o in parts]) for parts in outcomes),
-                   tuple(joined_hidden([o.hidden for o in parts]) for parts in outcomes))
+                   tuple(joined_hidden([o.hidden for o in parts]) for parts in outcomes), greedy)
 
     def shared(self) -> Iterator[tuple[int, Segment, Sequence[int], PHDecision, str, SegmentKV | None]]:
         """(index, segment, tokens, decision, how, kv) of every PH segment: `how` is the decision
@@ -196,6 +198,10 @@ class SharedContextStrategy(ABC):
     def hidden_layer(self, scope: Scope) -> int | None:
         """The decoder layer whose input hidden states a call should hand back; None: none."""
         return None
+
+    def lessons(self, served: Served) -> list[Lesson]:
+        """What the settled call teaches, to be learned when the engine is idle (`agentcache.idle`)."""
+        return []
 
     def figures(self) -> dict:
         """The strategy's own figures for `Runtime.summary()`."""

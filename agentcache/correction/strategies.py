@@ -2,17 +2,23 @@
 
 Every strategy runs through the same corrector; they differ only in these switches.
 
-| name               | reuse | correct | chained | ranks (base, Δ) | anchors |
-| ------------------ | ----- | ------- | ------- | --------------- | ------- |
-| nonshared          | no    | -       | -       | -               | -       |
-| fullshared         | yes   | no      | yes     | -               | -       |
-| kvcomm             | yes   | yes     | no      | full            | 20 (+1) |
-| kvcomm_canonical   | yes   | yes     | no      | full            | 20      |
-| kvcmas             | yes   | yes     | yes     | 32, 32          | 10      |
-| kvcmas_nonchained  | yes   | yes     | no      | 32, 32          | 10      |
-| kvcmas_fullrank    | yes   | yes     | yes     | full            | 10      |
-| cacheblend         | yes   | no      | yes     | -               | -       |
-| droidspeak         | yes   | no      | yes     | -               | -       |
+| name               | reuse | correct | chained | ranks (base, Δ) | anchors | accept   |
+| ------------------ | ----- | ------- | ------- | --------------- | ------- | -------- |
+| nonshared          | no    | -       | -       | -               | -       | -        |
+| fullshared         | yes   | no      | yes     | -               | -       | always   |
+| kvcomm             | yes   | yes     | no      | full            | 20 (+1) | entropy  |
+| kvcomm_canonical   | yes   | yes     | no      | full            | 20      | entropy  |
+| kvcmas             | yes   | yes     | yes     | 32, 32          | 10      | verified |
+| kvcmas_entropy     | yes   | yes     | yes     | 32, 32          | 10      | entropy  |
+| kvcmas_nonchained  | yes   | yes     | no      | 32, 32          | 10      | verified |
+| kvcmas_fullrank    | yes   | yes     | yes     | full            | 10      | verified |
+| cacheblend         | yes   | no      | yes     | -               | -       | always   |
+| droidspeak         | yes   | no      | yes     | -               | -       | always   |
+
+Acceptance: `verified` (agentcache's default, `correction.verification`) serves a reuse method on
+an edge (the raw re-aligned source, or its correction) only while shadow runs on the edge's dense
+calls show it gives the same output, and weighs each segment's reuse against its measured cost
+(`correction.costs`); `entropy` is the papers' gate on the anchors' normalized entropy (τ).
 
 CacheBlend and DroidSpeak are selective recomputation: they reuse the aligned source and rebuild
 a fixed share 1 − ρ of it under the consumer's own context, CacheBlend the tokens whose KV at an
@@ -41,7 +47,9 @@ from dataclasses import dataclass
 
 from agentcache.correction.matching import GATE_SCALES
 
-__all__ = ["Strategy", "STRATEGIES", "get_strategy"]
+__all__ = ["Strategy", "STRATEGIES", "get_strategy", "ACCEPTANCE"]
+
+ACCEPTANCE = ("verified", "entropy")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class Strategy:
     probe_layer: int = 1  # CacheBlend: the layer whose KV deviation picks the tokens (0..it run for all)
     profile_transitions: int = 2  # DroidSpeak: dense transitions profiled before its layer group is fixed
     kvcomm_procedure: bool = False  # KVCOMM's reference procedure (see `correction.kvcomm`)
+    accept: str = "entropy"  # "verified": shadow-verified methods, cost-aware; "entropy": the papers' gate
+
 
     def __post_init__(self) -> None:
         for name in ("base_rank", "delta_rank"):
@@ -100,6 +110,10 @@ class Strategy:
             raise ValueError(f"Strategy.probe_layer must be an int >= 1 (layer 0 is exact), got {self.probe_layer!r}")
         if type(self.profile_transitions) is not int or self.profile_transitions < 1:
             raise ValueError(f"Strategy.profile_transitions must be a positive int, got {self.profile_transitions!r}")
+        if self.accept not in ACCEPTANCE:
+            raise ValueError(f"Strategy.accept must be one of {ACCEPTANCE}, got {self.accept!r}")
+        if self.accept == "verified" and (self.target_reuse is not None or self.kvcomm_procedure):
+            raise ValueError("a target reuse ratio and KVCOMM's procedure steer the entropy gate (accept='entropy')")
         if self.kvcomm_procedure and (self.chained or not self.correct or self.recompute is not None):
             raise ValueError("KVCOMM's procedure corrects from non-chained sources (chained=False, correct=True)")
 
@@ -117,9 +131,10 @@ STRATEGIES: dict[str, Strategy] = {
                  gate_scale="absolute", kvcomm_procedure=True),
         Strategy("kvcomm_canonical", chained=False, base_rank=None, delta_rank=None, max_anchors=20, temperature=1.0,
                  gate_scale="absolute"),
-        Strategy("kvcmas"),
-        Strategy("kvcmas_nonchained", chained=False),
-        Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None),
+        Strategy("kvcmas", accept="verified"),
+        Strategy("kvcmas_entropy"),
+        Strategy("kvcmas_nonchained", chained=False, accept="verified"),
+        Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None, accept="verified"),
         Strategy("cacheblend", correct=False, recompute="tokens", rho=0.8),
         Strategy("droidspeak", correct=False, recompute="layers", rho=0.8),
     )

@@ -115,20 +115,22 @@ def stated_answer(text: str) -> int | None:
 
 
 def plot(report: dict[str, Any]):
-    """Per-agent mean TTFT for each strategy, and the reuse ratio."""
+    """Per-agent mean TTFT for each strategy, and the reuse ratio, one colour per strategy in both panels."""
     def draw(plt: Any) -> Any:
         rows = report["strategies"]
         agents = report["agents"]
+        colours = [f"C{i}" for i in range(len(rows))]
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
         width = 0.8 / len(rows)
         for i, row in enumerate(rows):
             xs = [a + i * width for a in range(len(agents))]
-            left.bar(xs, [row["per_agent_service_s"][a] or 0 for a in agents], width, label=row["strategy"])
+            left.bar(xs, [row["per_agent_service_s"][a] or 0 for a in agents], width, label=row["strategy"],
+                     color=colours[i])
         left.set_xticks([a + 0.4 - width / 2 for a in range(len(agents))], agents)
         left.set_ylabel("mean TTFT less queueing (s)")
         left.set_title(f"GSM8K swarm on {report['model']}, {report['problems']} problems")
         left.legend()
-        right.bar([r["strategy"] for r in rows], [r["reuse_ratio"] for r in rows], color="tab:green")
+        right.bar([r["strategy"] for r in rows], [r["reuse_ratio"] for r in rows], color=colours)
         right.set_ylim(0, 1)
         right.set_title("reuse ratio")
         fig.tight_layout()

@@ -120,6 +120,9 @@ def phase_ends(runs: Sequence[Run], hit: int) -> list[int]:
     return ends
 
 
+_STEP_LOCK = threading.Lock()  # held by whichever core steps its vLLM engine
+
+
 class VLLMCore:
     """One vLLM engine and the loop that steps it."""
 
@@ -229,7 +232,9 @@ class VLLMCore:
             except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
                 job.future.set_exception(exc)
         if self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            with _STEP_LOCK:  # the KV connector's worker side is one per process: one engine steps at a time
+                outputs = self.engine.step()
+            for output in outputs:
                 live = self._live.get(output.request_id)
                 if live is not None:
                     self._on_output(live, output)

@@ -1,0 +1,97 @@
+"""What reusing a shared segment costs and saves on this engine and model, measured as calls run.
+
+Two lines are fitted online (least squares over the latest calls): a call's prefill time against
+the tokens it computed (`prefill`: its slope is what one token saves when reused) and the time to
+plan a reused segment against its tokens (`reuse`: looking the source up, re-aligning it,
+correcting it). A shared segment is worth reuse work only when what its reuse saves covers twice
+what it costs on the critical path; otherwise it runs as NonShared would, with no reuse work at
+all (no KV captured, nothing stored, nothing learned). Until both lines are fitted, a segment is
+worth it from PRIOR_BREAK_EVEN tokens.
+
+Learning (anchors, verification) runs when the engine is idle (`agentcache.idle`), so it is not
+charged to a call's critical path here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["CostModel", "OnlineLine", "PRIOR_BREAK_EVEN", "MARGIN"]
+
+PRIOR_BREAK_EVEN = 64  # tokens: reuse work is worth it from here until the lines are fitted
+MARGIN = 2.0  # a reuse must save at least this many times what it costs
+WINDOW = 64  # observations each line is fitted on
+MIN_POINTS = 4
+
+
+class OnlineLine:
+    """y ≈ intercept + slope · x over the latest `window` points."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.points: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def add(self, x: float, y: float) -> None:
+        if x >= 0 and y >= 0:
+            self.points.append((float(x), float(y)))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(intercept, slope), both ≥ 0; None before MIN_POINTS points. With no spread in x, the
+        mean y per x is the slope (fixed costs then count as per-token: an overestimate)."""
+        n = len(self.points)
+        if n < MIN_POINTS:
+            return None
+        mean_x = sum(x for x, _ in self.points) / n
+        mean_y = sum(y for _, y in self.points) / n
+        var = sum((x - mean_x) ** 2 for x, _ in self.points)
+        if var <= 1e-9 * max(1.0, mean_x ** 2) * n:
+            return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in self.points) / var)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+
+class CostModel:
+    def __init__(self) -> None:
+        self.prefill = OnlineLine()  # seconds of a call's prefill vs tokens it computed
+        self.reuse = OnlineLine()  # seconds to plan a reused segment vs its tokens
+        self.skipped_segments = 0
+        self.skipped_tokens = 0
+
+    def observe_prefill(self, computed_tokens: int, seconds: float) -> None:
+        if computed_tokens > 0:
+            self.prefill.add(computed_tokens, seconds)
+
+    def observe_reuse(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.reuse.add(tokens, seconds)
+
+    def worth(self, tokens: int) -> bool:
+        """Whether reusing a shared segment of `tokens` tokens can pay for its reuse work."""
+        prefill, reuse = self.prefill.fit(), self.reuse.fit()
+        if prefill is None or reuse is None:
+            return tokens >= PRIOR_BREAK_EVEN
+        fixed, per_token = reuse
+        saved = prefill[1] * tokens
+        return saved > MARGIN * (fixed + per_token * tokens)
+
+    def skipped(self, tokens: int) -> None:
+        self.skipped_segments += 1
+        self.skipped_tokens += tokens
+
+    def break_even(self) -> int | None:
+        """The fewest tokens worth reuse work now (None: none are)."""
+        for tokens in (1 << k for k in range(16)):
+            if self.worth(tokens):
+                low = tokens // 2
+                while low + 1 < tokens:  # bisect (worth is monotone in tokens)
+                    mid = (low + tokens) // 2
+                    low, tokens = (low, mid) if self.worth(mid) else (mid, tokens)
+                return tokens
+        return None
+
+    def figures(self) -> dict:
+        prefill, reuse = self.prefill.fit(), self.reuse.fit()
+        return dict(
+            prefill_s_per_token=prefill[1] if prefill else None,
+            reuse_fixed_s=reuse[0] if reuse else None, reuse_s_per_token=reuse[1] if reuse else None,
+            break_even_tokens=self.break_even(), not_worth_segments=self.skipped_segments,
+            not_worth_tokens=self.skipped_tokens)

@@ -1,0 +1,157 @@
+"""Acceptance by verification: reuse a shared segment on an edge only while shadow runs show that
+doing so gives the same output as dense prefill.
+
+An edge is (tenant, slot, source agent, consumer agent, whether the source is exact): a source that
+was itself reused carries its own error down a chain, so reusing it is verified on its own. Whenever a consumer's segment is prefilled
+densely while a source existed, the call's own output is the exact reference: when the engine is
+idle, a *shadow run* replays the call with the segment served by each reuse method (`raw`: the
+re-aligned source as it is; `corrected`: with the edge's anchor correction, learned before this
+call) and compares its greedy continuation and last-position distribution with the dense call's.
+A method is served on the edge while its latest verdicts all agree (the one with the lowest KL
+when both do); a disagreement sends the edge back to dense prefill until a new verdict agrees.
+While a method is served, one eligible call in `audit_gap` is still prefilled densely, to keep
+verifying it: the gap doubles with every agreeing audit up to MAX_AUDIT_GAP and returns to 2 on
+a disagreement.
+
+This tracks what acceptance stands for (the answer the consumer gives) on any workload, where the
+paper's entropy gate tracks how alike the anchors are (the `kvcmas_entropy` variant keeps it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Verdict", "EdgeRecord", "Verification", "METHODS", "WINDOW", "MAX_AUDIT_GAP", "SHADOW_TOKENS",
+           "compare_outputs"]
+
+METHODS = ("corrected", "raw")
+WINDOW = 3  # verdicts kept per edge and method
+FIRST_AUDIT_GAP = 2
+MAX_AUDIT_GAP = 16  # at most one eligible call in 16 prefilled densely to re-verify a served method
+SHADOW_TOKENS = 8  # greedy tokens a shadow run compares (fewer when the call generated fewer)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One shadow run: did `method` give the dense call's output?"""
+
+    method: str
+    agrees: bool
+    kl: float  # KL(dense ‖ shadow) of the next-token distributions at the last prompt position
+    tokens: int  # greedy tokens compared
+
+
+def compare_outputs(method: str, dense_logits: torch.Tensor, dense_tokens: Sequence[int] | None,
+                    shadow_logits: torch.Tensor, shadow_tokens: Sequence[int]) -> Verdict:
+    """The verdict of a shadow run against the dense call. `dense_tokens`: the dense call's greedy
+    continuation (None when it sampled: then only the most likely next token is compared)."""
+    dense_logp = torch.log_softmax(dense_logits.double(), -1)  # (V,)
+    shadow_logp = torch.log_softmax(shadow_logits.double(), -1)
+    kl = float((dense_logp.exp() * (dense_logp - shadow_logp)).sum().clamp_min(0.0))
+    agrees = int(dense_logits.argmax()) == int(shadow_logits.argmax()) and math.isfinite(kl)
+    compared = 1
+    if dense_tokens is not None:
+        compared = min(len(dense_tokens), len(shadow_tokens))
+        agrees = agrees and list(dense_tokens[:compared]) == list(shadow_tokens[:compared])
+    return Verdict(method, agrees, kl, compared)
+
+
+@dataclass
+class EdgeRecord:
+    """What the shadow runs of one edge said, and when it is next audited."""
+
+    verdicts: dict[str, deque[Verdict]] = field(default_factory=dict)
+    audit_gap: int = FIRST_AUDIT_GAP
+    since_audit: int = 0
+
+    def choice(self, can_correct: bool) -> str | None:
+        """The method to serve: every kept verdict agrees, lowest mean KL first; None: prefill."""
+        passing = []
+        for method in METHODS:
+            kept = self.verdicts.get(method)
+            if kept and all(v.agrees for v in kept) and (method != "corrected" or can_correct):
+                passing.append((sum(v.kl for v in kept) / len(kept), METHODS.index(method), method))
+        return min(passing)[2] if passing else None
+
+    def due_audit(self) -> bool:
+        """Count one call that could reuse; True when this one must be prefilled to re-verify."""
+        self.since_audit += 1
+        if self.since_audit >= self.audit_gap:
+            self.since_audit = 0
+            return True
+        return False
+
+    def record(self, verdict: Verdict) -> None:
+        kept = self.verdicts.setdefault(verdict.method, deque(maxlen=WINDOW))
+        kept.append(verdict)
+        if not verdict.agrees:
+            self.audit_gap = FIRST_AUDIT_GAP
+
+    def audited(self, served_method_agreed: bool) -> None:
+        """A dense call re-verified the method being served: audit less often while it agrees."""
+        self.audit_gap = min(2 * self.audit_gap, MAX_AUDIT_GAP) if served_method_agreed else FIRST_AUDIT_GAP
+
+
+class Verification:
+    """Every edge's record; `decide` before a call, `record` after its shadow runs."""
+
+    def __init__(self) -> None:
+        self.edges: dict[tuple, EdgeRecord] = {}
+        self.shadow_runs = 0
+        self.shadow_s = 0.0
+        self.agreed: dict[str, int] = {m: 0 for m in METHODS}
+        self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
+
+    def decide(self, edge: tuple, can_correct: bool) -> tuple[str | None, str | None]:
+        """(method, None) to reuse, or (None, why the segment is prefilled): "unverified" (no
+        agreeing verdict yet), "audit" (re-verifying a served method)."""
+        record = self.edges.get(edge)
+        method = record.choice(can_correct) if record is not None else None
+        if method is None:
+            return None, "unverified"
+        if record.due_audit():
+            return None, "audit"
+        return method, None
+
+    def record(self, edge: tuple, verdicts: Sequence[Verdict], seconds: float = 0.0) -> None:
+        record = self.edges.setdefault(edge, EdgeRecord())
+        served = record.choice(can_correct=True)
+        for verdict in verdicts:
+            record.record(verdict)
+            (self.agreed if verdict.agrees else self.disagreed)[verdict.method] += 1
+        if served is not None:
+            record.audited(any(v.method == served and v.agrees for v in verdicts))
+        self.shadow_runs += len(verdicts)
+        self.shadow_s += seconds
+
+    def figures(self) -> dict:
+        return dict(verified_edges=len(self.edges), shadow_runs=self.shadow_runs, shadow_s=round(self.shadow_s, 4),
+                    shadow_agreed=dict(self.agreed), shadow_disagreed=dict(self.disagreed))
+
+    # --- persistence: plain JSON, no tensors ---------------------------------------------
+
+    def to_json(self, tenant: str | None) -> list[dict]:
+        """The records of `tenant`'s edges (edge = (tenant, slot, source, consumer, exact source))."""
+        return [dict(slot=edge[1], source=edge[2], consumer=edge[3], exact_source=edge[4], audit_gap=record.audit_gap,
+                     verdicts=[dict(method=v.method, agrees=v.agrees, kl=v.kl, tokens=v.tokens)
+                               for kept in record.verdicts.values() for v in kept])
+                for edge, record in self.edges.items() if edge[0] == tenant]
+
+    def load_json(self, tenant: str | None, records: Sequence[dict]) -> int:
+        """Add `tenant`'s saved records (after validating every field); returns how many."""
+        parsed = []
+        for item in records:
+            edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]))
+            record = EdgeRecord(audit_gap=min(MAX_AUDIT_GAP, max(FIRST_AUDIT_GAP, int(item["audit_gap"]))))
+            for v in item["verdicts"]:
+                if v["method"] not in METHODS:
+                    raise ValueError(f"unknown reuse method {v['method']!r}")
+                record.record(Verdict(v["method"], bool(v["agrees"]), float(v["kl"]), int(v["tokens"])))
+            parsed.append((edge, record))
+        self.edges.update(parsed)
+        return len(parsed)

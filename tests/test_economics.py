@@ -1,0 +1,256 @@
+"""Reuse that pays for itself: verified acceptance, the cost model, learning when idle, and
+anchor pools that persist across runtimes (real engines, real tensors)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from agentcache.correction import verification as verification_module
+from agentcache.correction.costs import PRIOR_BREAK_EVEN, CostModel, OnlineLine
+from agentcache.correction.persist import pools_path
+from agentcache.correction.strategies import STRATEGIES
+from agentcache.correction.verification import (FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord, Verdict,
+                                                Verification, compare_outputs)
+from agentcache.engine import SamplingParams
+from agentcache.errors import InputError
+from agentcache.idle import IdleWorker, Lesson
+from agentcache.runtime import Runtime, RuntimeConfig
+from agentcache.segments import AgentCall, Segment
+from tests.conftest import make_engine, text_of_length
+
+ROLES = {
+    "planner": "You plan the trip step by step.\n",
+    "local": "You know the city and its neighbourhoods well.\n",
+    "critic": "You look for mistakes in every plan you read.\n",
+}
+THREE = SamplingParams(max_tokens=3)
+DETERMINISTIC = RuntimeConfig(self_check=False, learn="after_call")
+
+
+def role_call(agent: str, query: str, tenant: str | None = None) -> AgentCall:
+    return AgentCall(agent=agent, tenant=tenant,
+                     segments=(Segment.pf(ROLES[agent]), Segment.ph("query", query), Segment.pf("\nNotes:")))
+
+
+def chain(rt: Runtime, query: str, tenant: str | None = None) -> list:
+    return [rt.run(role_call(agent, query, tenant), THREE) for agent in ROLES]
+
+
+def long_query(rt: Runtime, seed: int) -> str:
+    return text_of_length(rt.engine, 60, seed=seed)  # ~300 byte tokens: worth reusing from the prior on
+
+
+# --- verification --------------------------------------------------------------------------
+
+
+def test_a_shadow_run_agrees_only_with_the_same_tokens_and_next_token():
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    same = compare_outputs("raw", logits, [1, 2, 2], logits + 0.01, [1, 2, 2, 5])
+    assert same.agrees and same.tokens == 3 and same.kl < 1e-3
+    assert not compare_outputs("raw", logits, [1, 2, 2], logits, [1, 2, 0]).agrees  # a later token differs
+    flipped = compare_outputs("raw", logits, None, torch.tensor([0.0, 1.0, 3.0]), [2])
+    assert not flipped.agrees and flipped.kl > 0.5 and flipped.tokens == 1  # sampled call: next token only
+
+
+def test_an_edge_serves_a_method_only_while_all_its_verdicts_agree():
+    record = EdgeRecord()
+    assert record.choice(can_correct=True) is None
+    record.record(Verdict("raw", True, 0.02, 8))
+    record.record(Verdict("corrected", True, 0.01, 8))
+    assert record.choice(can_correct=True) == "corrected"  # the lower KL of two agreeing methods
+    assert record.choice(can_correct=False) == "raw"  # no anchor left for a correction
+    record.record(Verdict("corrected", False, 0.5, 8))
+    assert record.choice(can_correct=True) == "raw"
+    for _ in range(verification_module.WINDOW):
+        record.record(Verdict("raw", False, 0.3, 8))
+    assert record.choice(can_correct=True) is None
+
+
+def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does_not():
+    verification, edge = Verification(), (None, "query", "a", "b", True)
+    verification.record(edge, [Verdict("raw", True, 0.0, 4)])
+    gaps = []
+    for _ in range(6):
+        decisions = []
+        while (decision := verification.decide(edge, can_correct=False))[0] is not None:
+            decisions.append(decision)
+        assert decision == (None, "audit")
+        gaps.append(len(decisions) + 1)
+        verification.record(edge, [Verdict("raw", True, 0.0, 4)])  # the audit's dense call agreed
+    assert gaps == [FIRST_AUDIT_GAP, 4, 8, 16, MAX_AUDIT_GAP, MAX_AUDIT_GAP]
+    verification.record(edge, [Verdict("raw", False, 0.4, 4)])
+    assert verification.decide(edge, can_correct=False) == (None, "unverified")
+    assert verification.edges[edge].audit_gap == FIRST_AUDIT_GAP
+
+
+# --- the cost model --------------------------------------------------------------------------
+
+
+def test_the_cost_model_uses_the_prior_until_timed_then_the_break_even_it_measured():
+    costs = CostModel()
+    assert not costs.worth(PRIOR_BREAK_EVEN - 1) and costs.worth(PRIOR_BREAK_EVEN)
+    for tokens in (100, 200, 400, 800):
+        costs.observe_prefill(tokens, 0.01 + 0.001 * tokens)  # 1 ms a token, 10 ms a pass
+        costs.observe_reuse(tokens, 0.004 + 0.00001 * tokens)  # 4 ms a segment, 10 µs a token
+    # worth when 1 ms · n > 2 · (4 ms + 10 µs · n): n > 8.16 ms / 0.98 ms
+    assert costs.break_even() == 9 and costs.worth(9) and not costs.worth(8)
+    assert costs.figures()["prefill_s_per_token"] == pytest.approx(0.001)
+
+
+def test_a_line_without_spread_counts_its_fixed_cost_per_token():
+    line = OnlineLine()
+    for _ in range(5):
+        line.add(100, 0.2)
+    assert line.fit() == pytest.approx((0.0, 0.002))
+
+
+def test_a_segment_not_worth_reuse_runs_as_nonshared_with_no_reuse_work():
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=512), strategy="kvcmas", config=DETERMINISTIC)
+    dense = Runtime(make_engine("tiny-llama", pool_blocks=512), strategy="nonshared", config=DETERMINISTIC)
+    short = "Go to Rome."
+    got, want = chain(rt, short), chain(dense, short)
+    assert [s.decision for r in got for s in r.segments if s.kind == "ph"] == ["off"] * 3
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    figures = rt.summary()
+    assert figures["eligible_tokens"] == 0 and figures["store_entries"] == 0 and figures["anchors"] == 0
+    assert figures["lessons_done"] == 0 and figures["not_worth_segments"] >= 3
+
+
+# --- verified acceptance on real engines -----------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
+def test_reuse_is_served_only_on_edges_whose_shadow_runs_agreed(preset):
+    rt = Runtime(make_engine(preset, pool_blocks=1024), strategy="kvcmas", config=DETERMINISTIC)
+    dense = Runtime(make_engine(preset, pool_blocks=1024), strategy="nonshared", config=DETERMINISTIC)
+    served = 0
+    for seed in range(5):
+        query = long_query(rt, seed)
+        chosen = {edge[2:4]: record.choice(can_correct=True) for edge, record in rt.corrector.verification.edges.items()
+                  if record.choice(can_correct=True) is not None}
+        for got in chain(rt, query):
+            segment = got.segments[1]
+            if segment.decision in ("reused", "corrected"):
+                assert (segment.source, got.agent) in chosen, "reuse on an edge never verified"
+                served += 1
+            elif segment.source is not None:
+                assert segment.reason in ("unverified", "audit", "not_worth")
+    figures = rt.summary()
+    assert figures["shadow_runs"] > 0 and figures["verified_edges"] >= 2  # planner->local, local->critic, ...
+    assert served > 0 or sum(figures["shadow_agreed"].values()) == 0, "an agreeing edge was never served"
+
+
+def test_an_edge_whose_shadow_runs_disagree_is_always_prefilled(monkeypatch):
+    monkeypatch.setattr("agentcache.correction.corrector.compare_outputs",
+                        lambda method, *args: Verdict(method, False, 1.0, 1))
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=1024), strategy="kvcmas", config=DETERMINISTIC)
+    results = [r for seed in range(4) for r in chain(rt, long_query(rt, seed))]
+    decisions = {s.decision for r in results for s in r.segments if s.kind == "ph"}
+    assert decisions == {"first", "fallback"} and rt.summary()["reused_tokens"] == 0
+    assert rt.summary()["shadow_disagreed"]["raw"] > 0
+
+
+def test_a_shadow_run_never_caches_approximate_kv_or_counts_as_a_call():
+    engine = make_engine("tiny-llama", pool_blocks=1024)
+    rt = Runtime(engine, strategy="kvcmas", config=DETERMINISTIC)
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda request: seen.append(request) or submit(request)
+    chain(rt, long_query(rt, 0))
+    shadows = [r for r in seen if r.internal]
+    assert shadows and all(r.lineage is None and not r.capture_kv for r in shadows)
+    assert len(rt.results) == 3 and rt.summary()["calls"] == 3
+
+
+# --- learning when idle ------------------------------------------------------------------------
+
+
+def test_lessons_wait_for_idle_time_and_the_oldest_go_first_when_they_pile_up():
+    busy, ran = threading.Event(), []
+    busy.set()
+    faults = []
+    worker = IdleWorker(lambda: not busy.is_set(), threading.RLock(), on_fault=lambda name, exc: faults.append(name),
+                        max_pending=3)
+    worker.submit([Lesson(f"l{i}", lambda i=i: i, ran.append) for i in range(5)])
+    worker.submit([Lesson("bad", lambda: 1 / 0, ran.append)])
+    time.sleep(0.3)
+    assert ran == []  # a call is in flight (and no lesson waited past MAX_WAIT_S)
+    busy.clear()
+    worker.poke()
+    assert worker.drain(5.0)
+    assert ran == [3, 4] and faults == ["bad"]
+    assert worker.figures()["lessons_dropped"] == 3 and worker.figures()["lessons_failed"] == 1
+    worker.close()
+
+
+def test_idle_learning_reaches_the_same_pools_as_learning_after_each_call():
+    rts = {mode: Runtime(make_engine("tiny-llama", pool_blocks=1024), strategy="kvcmas",
+                         config=RuntimeConfig(self_check=False, learn=mode)) for mode in ("idle", "after_call")}
+    for seed in range(2):
+        for rt in rts.values():
+            chain(rt, long_query(rt, seed))
+            assert rt.learned(30.0)
+    idle, after = (rts[m].summary() for m in ("idle", "after_call"))
+    for key in ("anchors", "anchor_bytes", "shadow_runs", "verified_edges"):
+        assert idle[key] == after[key], key
+    assert idle["lessons_done"] == after["lessons_done"] > 0 and idle["lessons_pending"] == 0
+
+
+# --- anchor pools that persist -----------------------------------------------------------------
+
+
+def test_a_new_runtime_warm_starts_from_the_saved_pools_and_verdicts(tmp_path):
+    base = make_engine("tiny-llama", pool_blocks=1024)
+    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
+    for seed in range(3):
+        chain(first, long_query(first, seed))
+    first.close()
+    saved = first.summary()
+    path = pools_path(tmp_path, first.anchors.digest, None)
+    assert path.is_file() and saved["anchors"] > 0
+
+    second = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
+    loaded = second.summary()
+    assert loaded["anchors_loaded"] == saved["anchors"] and loaded["anchor_bytes"] == saved["anchor_bytes"]
+    assert second.corrector.verification.edges.keys() == first.corrector.verification.edges.keys()
+    choices = {edge: r.choice(can_correct=True) for edge, r in first.corrector.verification.edges.items()}
+    got = chain(second, long_query(second, 99))  # its first workflow
+    for result in got[1:]:
+        segment = result.segments[1]
+        if segment.decision in ("reused", "corrected"):
+            assert any(edge[2:4] == (segment.source, result.agent) and choice for edge, choice in choices.items())
+    assert second.summary()["reused_tokens"] > 0 or not any(choices.values())
+
+
+def test_one_tenants_file_never_reaches_another_tenant(tmp_path):
+    base = make_engine("tiny-llama", pool_blocks=1024)
+    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
+    for seed in range(2):
+        chain(first, long_query(first, seed), tenant="acme")
+    assert [p.name.startswith("tenant-") for p in first.save_anchors()] == [True]
+    second = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
+    chain(second, long_query(second, 5), tenant="globex")
+    assert second.summary()["anchors_loaded"] == 0 and not any(
+        edge[0] == "acme" for edge in second.corrector.verification.edges)
+    chain(second, long_query(second, 6), tenant="acme")
+    assert second.summary()["anchors_loaded"] > 0
+
+
+def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_path):
+    base = make_engine("tiny-llama", pool_blocks=1024)
+    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
+    for seed in range(2):
+        chain(first, long_query(first, seed))
+    first.close()
+    with pytest.raises(InputError, match="strategy settings differ"):
+        Runtime(base.fresh(), strategy=STRATEGIES["kvcmas"].replace(max_anchors=4), config=DETERMINISTIC,
+                anchors_dir=tmp_path)
+    other = make_engine("tiny-llama", pool_blocks=1024, seed=1) if "seed" in make_engine.__code__.co_varnames else None
+    if other is not None:  # other weights: another digest, so another file (a cold start, not a refusal)
+        assert Runtime(other, strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path).summary()["anchors_loaded"] == 0
+    with pytest.raises(InputError, match="anchors_dir"):
+        Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=42)
