@@ -84,10 +84,11 @@ def plan_call(
     capture_all: bool = False,
 ) -> CallPlan:
     """Tokenize `call` and let `strategy` plan it. The approximate KV the call caches is salted
-    for its lineage in runtime `runtime_id`, its exact blocks for its tenant; `capture_all` asks
-    for every segment's KV (for measuring)."""
+    for its lineage in runtime `runtime_id` (none is cached when the strategy says so), its exact
+    blocks for its tenant; `capture_all` asks for every segment's KV (for measuring)."""
     tokenized = tokenize_call(engine, call)
-    lineage, namespace = lineage_salt(runtime_id, tokenized.scope, call.agent), tenant_salt(call.tenant)
+    lineage = lineage_salt(runtime_id, tokenized.scope, call.agent) if strategy.caches_approximate else None
+    namespace = tenant_salt(call.tenant)
     planned = strategy.plan_call(tokenized, lineage=lineage, namespace=namespace, capture_all=capture_all)
     request = ExecRequest([p.plan for p in planned.pieces], sampling, lineage=lineage, cache_salt=namespace,
                           owner=call.agent, session=engine_session(tokenized.scope), on_token=on_token,

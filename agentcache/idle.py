@@ -64,8 +64,7 @@ class IdleWorker:
         self.busy_s = 0.0
         self._started = time.monotonic()
         self._busy_since = self._started  # when the runtime was last seen with a call in flight
-        self._thread = threading.Thread(target=self._loop, name="agentcache-idle", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by a submit, ends when nothing is pending
         _workers.add(self)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -76,18 +75,26 @@ class IdleWorker:
             self.dropped += len(self._pending)
             self._pending.clear()
             self._wake.notify_all()
-        self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def submit(self, lessons: list[Lesson]) -> None:
         if not lessons:
             return
         with self._wake:
+            if self._closed:
+                self.dropped += len(lessons)
+                return
             now = time.monotonic()
             for lesson in lessons:
                 self._pending.append((now, lesson))
                 if len(self._pending) > self._max_pending:
                     self._pending.popleft()
                     self.dropped += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="agentcache-idle", daemon=True)
+                self._thread.start()
             self._wake.notify_all()
 
     def poke(self) -> None:
@@ -110,28 +117,26 @@ class IdleWorker:
                 self._wake.wait(0.05 if left is None else min(left, 0.05))
         return True
 
-    def close(self, timeout: float | None = 30.0) -> bool:
-        drained = self.drain(timeout)
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-        return drained
-
     def figures(self) -> dict:
         return dict(lessons_done=self.done, lessons_dropped=self.dropped, lessons_failed=self.failed,
                     lessons_pending=self.pending, learning_s=round(self.busy_s, 4))
 
     def _next(self) -> Lesson | None:
-        """The oldest lesson, once it may run; None when closed."""
+        """The oldest lesson, once it may run; None when closed or when nothing is pending (the
+        thread then ends: it holds no strategy alive, and the next submit starts another)."""
         with self._wake:
             while not self._closed:
+                if not self._pending:
+                    self._thread = None
+                    return None
                 now = time.monotonic()
                 if not self._is_idle():
                     self._busy_since = now
                 if self._pending and self._may_run(now):
                     self._busy = True
                     return self._pending.popleft()[1]
-                self._wake.wait(0.01 if self._pending else 0.1)  # calls landing poke it too
+                self._wake.wait(0.01)  # calls landing poke it too
+        self._thread = None
         return None
 
     def _may_run(self, now: float) -> bool:

@@ -27,8 +27,7 @@ Workloads (`--workloads`, comma-separated):
 - `warm_start`: runtime A, `Runtime(engine, strategy="kvcmas", anchors_dir=DIR)`, runs
   `--warm-workflows` long_doc_1k workflows and `close()`s (saving its anchor pools to DIR); a new
   runtime B over DIR (fresh engine cache) runs one new workflow, against a new NonShared
-  runtime's first workflow. Reported with a `reason` and null figures when the Runtime does not
-  take `anchors_dir`.
+  runtime's first workflow.
 
 The first `--warmup` workflows of swarm, group_chat and long_doc_* are run but not scored.
 Per workload and strategy, over scored calls: mean TTFT (`ttft_s`, queueing included) overall,
@@ -427,13 +426,7 @@ def warm_start(setup: Setup) -> tuple[dict, dict]:
     people = setup.people["long_doc_1k"]
     runtimes: list[Runtime] = []
     try:
-        try:
-            first = setup.runtime(KVCMAS, anchors_dir=str(directory))
-        except TypeError as exc:
-            if "anchors_dir" not in str(exc):
-                raise
-            return {"skipped": True, "reason": f"Runtime does not take anchors_dir yet ({exc})",
-                    "ttft_ratio": None, "consumer_ttft_ratio": None, "wall_ratio": None}, {}
+        first = setup.runtime(KVCMAS, anchors_dir=str(directory))
         runtimes.append(first)
         for index in range(args.warm_workflows):
             run_flow(long_doc_flow, first, index, seed + index, f"warm-a-{index}", setup.sampling, people)
@@ -444,7 +437,7 @@ def warm_start(setup: Setup) -> tuple[dict, dict]:
         second = setup.runtime(KVCMAS, anchors_dir=str(directory))
         baseline = setup.runtime(NONSHARED)
         runtimes += [second, baseline]
-        loaded = second.summary().get("anchors")
+        loaded = second.summary().get("anchors_loaded")
         flows: dict[str, list[Flow]] = {s: [] for s in STRATEGIES}
         for strategy in setup.order():
             rt = second if strategy == KVCMAS else baseline

@@ -72,19 +72,20 @@ def test_an_edge_serves_a_method_only_while_all_its_verdicts_agree():
 
 def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does_not():
     verification, edge = Verification(), (None, "query", "a", "b", True)
+    assert not verification.audit_due(edge)  # an edge never verified is not served: nothing to audit
     verification.record(edge, [Verdict("raw", True, 0.0, 4)])
     gaps = []
     for _ in range(6):
-        decisions = []
-        while (decision := verification.decide(edge, can_correct=False))[0] is not None:
-            decisions.append(decision)
-        assert decision == (None, "audit")
-        gaps.append(len(decisions) + 1)
-        verification.record(edge, [Verdict("raw", True, 0.0, 4)])  # the audit's dense call agreed
+        served = 1
+        while not verification.audit_due(edge):
+            assert verification.decide(edge, can_correct=False) == ("raw", None)  # audits never refuse a call
+            served += 1
+        gaps.append(served)
+        verification.record(edge, [Verdict("raw", True, 0.0, 4)], audit=True)  # the dense replay agreed
     assert gaps == [FIRST_AUDIT_GAP, 4, 8, 16, MAX_AUDIT_GAP, MAX_AUDIT_GAP]
-    verification.record(edge, [Verdict("raw", False, 0.4, 4)])
+    verification.record(edge, [Verdict("raw", False, 0.4, 4)], audit=True)
     assert verification.decide(edge, can_correct=False) == (None, "unverified")
-    assert verification.edges[edge].audit_gap == FIRST_AUDIT_GAP
+    assert verification.edges[edge].audit_gap == FIRST_AUDIT_GAP and verification.audits == 7
 
 
 # --- the cost model --------------------------------------------------------------------------
@@ -101,11 +102,13 @@ def test_the_cost_model_uses_the_prior_until_timed_then_the_break_even_it_measur
     assert costs.figures()["prefill_s_per_token"] == pytest.approx(0.001)
 
 
-def test_a_line_without_spread_counts_its_fixed_cost_per_token():
-    line = OnlineLine()
+def test_a_line_without_spread_puts_its_cost_where_it_is_conservative():
+    saving, cost = OnlineLine(), OnlineLine(flat=True)
     for _ in range(5):
-        line.add(100, 0.2)
-    assert line.fit() == pytest.approx((0.0, 0.002))
+        saving.add(100, 0.2)
+        cost.add(3000, 0.08)
+    assert saving.fit() == pytest.approx((0.0, 0.002))  # a prefill's fixed part counts per token
+    assert cost.fit() == pytest.approx((0.08, 0.0))  # a reuse of 3,000 tokens costs a short segment as much
 
 
 def test_a_segment_not_worth_reuse_runs_as_nonshared_with_no_reuse_work():
@@ -138,7 +141,7 @@ def test_reuse_is_served_only_on_edges_whose_shadow_runs_agreed(preset):
                 assert (segment.source, got.agent) in chosen, "reuse on an edge never verified"
                 served += 1
             elif segment.source is not None:
-                assert segment.reason in ("unverified", "audit", "not_worth")
+                assert segment.reason in ("unverified", "not_worth")
     figures = rt.summary()
     assert figures["shadow_runs"] > 0 and figures["verified_edges"] >= 2  # planner->local, local->critic, ...
     assert served > 0 or sum(figures["shadow_agreed"].values()) == 0, "an agreeing edge was never served"
@@ -184,7 +187,7 @@ def test_lessons_wait_for_idle_time_and_the_oldest_go_first_when_they_pile_up():
     assert worker.drain(5.0)
     assert ran == [3, 4] and faults == ["bad"]
     assert worker.figures()["lessons_dropped"] == 3 and worker.figures()["lessons_failed"] == 1
-    worker.close()
+    worker.stop()
 
 
 def test_idle_learning_reaches_the_same_pools_as_learning_after_each_call():
@@ -211,7 +214,7 @@ def test_a_new_runtime_warm_starts_from_the_saved_pools_and_verdicts(tmp_path):
     first.close()
     saved = first.summary()
     path = pools_path(tmp_path, first.anchors.digest, None)
-    assert path.is_file() and saved["anchors"] > 0
+    assert path.is_file() and saved["verified_edges"] > 0  # anchors too, where raw reuse failed its shadow runs
 
     second = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
     loaded = second.summary()
@@ -236,8 +239,10 @@ def test_one_tenants_file_never_reaches_another_tenant(tmp_path):
     chain(second, long_query(second, 5), tenant="globex")
     assert second.summary()["anchors_loaded"] == 0 and not any(
         edge[0] == "acme" for edge in second.corrector.verification.edges)
+    assert set(second.anchors.loaded) == {None, "globex"}
     chain(second, long_query(second, 6), tenant="acme")
-    assert second.summary()["anchors_loaded"] > 0
+    assert "acme" in second.anchors.loaded and any(edge[0] == "acme" for edge in second.corrector.verification.edges)
+    assert second.anchors.loaded["acme"] == first.summary()["anchors"]
 
 
 def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_path):
@@ -254,3 +259,30 @@ def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_p
         assert Runtime(other, strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path).summary()["anchors_loaded"] == 0
     with pytest.raises(InputError, match="anchors_dir"):
         Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=42)
+
+
+def test_reused_calls_are_audited_by_a_dense_replay_and_a_failed_audit_stops_reuse(monkeypatch):
+    monkeypatch.setattr(CostModel, "worth", lambda self, tokens: True)  # timing-free
+    agrees = {"value": True}
+    monkeypatch.setattr("agentcache.correction.corrector.compare_outputs",
+                        lambda method, *args: Verdict(method, agrees["value"], 0.0, 1))
+    engine = make_engine("tiny-llama", pool_blocks=1024)
+    rt = Runtime(engine, strategy="kvcmas", config=DETERMINISTIC)
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda request: seen.append(request) or submit(request)
+    seed = 0
+    while rt.summary()["audits"] == 0:
+        chain(rt, long_query(rt, seed))
+        seed += 1
+        assert seed < 12, "no reused call was ever audited"
+    replays = [r for r in seen if r.internal and all(s.step.value == "prefix" for s in r.segments)]
+    assert replays and all(r.lineage is None for r in replays)  # the audit: a dense replay, nothing cached
+    agrees["value"] = False
+    while rt.summary()["shadow_disagreed"]["raw"] + rt.summary()["shadow_disagreed"]["corrected"] == 0:
+        chain(rt, long_query(rt, seed))
+        seed += 1
+        assert seed < 40, "no second audit"
+    for edge, record in rt.corrector.verification.edges.items():
+        failed = {v.method for kept in record.verdicts.values() for v in kept if not v.agrees}
+        assert record.choice(can_correct=True) not in failed  # a method that failed its audit is not served

@@ -33,7 +33,7 @@ from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.sources import SourceFinder
-from agentcache.correction.store import Materialization, SegmentStore
+from agentcache.correction.store import EXACT, Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
 from agentcache.correction.verification import SHADOW_TOKENS, Verdict, Verification, compare_outputs
 from agentcache.engine.kv import SegmentKV
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
+SHADOW_PRIORITY = 1  # shadow runs and audits wait behind real calls for admission (lower runs first)
 DEFERRED = object()  # `prepare`'s answer when the call's learning waits for idle time (`lessons`)
 
 
@@ -74,7 +75,7 @@ class Corrector(SharedContextStrategy):
         self.strategy = strategy
         self.bank = AnchorBank(strategy.max_anchors, anchor_bytes)
         self.store = SegmentStore(store_bytes)
-        self.sources = SourceFinder(engine, self.store, strategy.chained)
+        self.sources = SourceFinder(engine, self.store, strategy.chained, prefer_exact=strategy.accept == "verified")
         self.faults: Counter[str] = Counter()  # real faults only: each one fell back to dense prefill
         self.tau = strategy.tau  # the gate's threshold; `reuse_control` sets it for a target reuse ratio
         # planned segments that had a source: (gate entropy, or None when the gate was not reached; tokens)
@@ -110,7 +111,8 @@ class Corrector(SharedContextStrategy):
                 pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all)))
                 continue
             if seg.kind == "ph" and pos + len(tokens) > covered:
-                decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source)
+                decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source,
+                                     after=len(call.prompt) - call.starts[index + 1])
                 if decision.reused and decision.covered > covered - pos:
                     decisions[index] = decision
                     pieces.extend(Piece(index, plan) for plan in self._injected(seg.slot, tokens, decision))
@@ -137,6 +139,12 @@ class Corrector(SharedContextStrategy):
         if cover < len(tokens):
             plans.append(SegmentPlan(slot, tokens[cover:], Step.PREFIX))
         return plans
+
+    @property
+    def caches_approximate(self) -> bool:
+        """Verified reuse keeps no approximate KV in the prefix cache: a later call would be
+        served it as a prefix hit, in a context no shadow run verified."""
+        return not self.verified
 
     # learning from a finished call waits for idle time (`lessons`); subclasses that learn in
     # `prepare` (KVCOMM's reference procedure) turn this off
@@ -187,23 +195,56 @@ class Corrector(SharedContextStrategy):
         output (shadow runs, `verification`) and the correction it observed (an anchor)."""
         if not (self.learns_when_idle and self.strategy.reuse and self.strategy.correct):
             return []
-        lessons = []
+        lessons = self._audits(served)
         for index, seg, tokens, decision, _, kv in served.shared():
             if not (kv is not None and kv.exact and decision.decision == "fallback" and decision.source is not None):
                 continue
-            edge = _edge(served.call.scope.tenant, seg.slot, decision.source, served.call.agent)
+            edge = _edge(served.call.scope.tenant, seg.slot, decision.source, served.call.agent, _after(served, index))
             candidates = tuple(self.bank.candidates(edge[:2], edge[2], edge[3]))  # as they are now
             lessons.append(Lesson(
                 f"{seg.slot} {edge[2]}->{edge[3]}",
-                lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates:
-                    self._study(served, index, tokens, decision, kv, candidates),
+                lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates, edge=edge:
+                    self._study(served, index, tokens, decision, kv, candidates, edge),
                 lambda studied, edge=edge: self._learn(edge, studied)))
         return lessons
 
+    def _audits(self, served: Served) -> list[Lesson]:
+        """A reused call due for an audit (`Verification.audit_due`, per edge) is replayed densely
+        when idle: its served output against the exact one is a verdict on every method it used."""
+        if not self.verified:
+            return []
+        tenant, agent = served.call.scope.tenant, served.call.agent
+        due = [(_edge(tenant, seg.slot, d.source, agent, _after(served, i)), "raw" if d.decision == "reused" else "corrected")
+               for i, seg, _, d, _, _ in served.shared() if d.reused and d.source is not None]
+        due = [(edge, method) for edge, method in due if self.verification.audit_due(edge)]
+        if not due:
+            return []
+        return [Lesson(f"audit of {agent}'s call", lambda: self._audit(served, [m for _, m in due]),
+                       lambda studied: self._audited([e for e, _ in due], studied))]
+
+    def _audit(self, served: Served, methods: list[str]) -> tuple[list[Verdict], float]:
+        """Replay the served call densely and judge its output against the replay's."""
+        started, call, result = time.perf_counter(), served.call, served.result
+        plans = [SegmentPlan(seg.name, tokens, Step.PREFIX, capture=False)
+                 for seg, tokens in zip(call.segments, call.token_lists)]
+        greedy = served.greedy
+        exact = self.engine.execute(ExecRequest(
+            plans, SamplingParams(max_tokens=max(1, min(SHADOW_TOKENS, len(result.token_ids))) if greedy else 1),
+            cache_salt=tenant_salt(call.scope.tenant), internal=True, capture_kv=False, priority=SHADOW_PRIORITY))
+        verdicts = [compare_outputs(method, exact.last_logits, exact.token_ids if greedy else None,
+                                    result.last_logits, result.token_ids) for method in methods]
+        return verdicts, time.perf_counter() - started
+
+    def _audited(self, edges: list[tuple], studied: tuple[list[Verdict], float]) -> None:
+        verdicts, seconds = studied
+        for edge, verdict in zip(edges, verdicts):
+            self.verification.record(edge, [verdict], seconds / len(edges), audit=True)
+
     def _study(self, served: Served, index: int, tokens: Sequence[int], decision: PHDecision, kv: SegmentKV,
-               candidates: Sequence[Anchor]) -> tuple[list[Verdict], float, PreparedAnchor | None]:
+               candidates: Sequence[Anchor], edge: tuple) -> tuple[list[Verdict], float, PreparedAnchor | None]:
         """A lesson's work, with no lock held: the shadow runs of each reuse method the edge could
-        serve (verified acceptance) and the anchor of the observed correction."""
+        serve (verified acceptance) and, unless raw reuse gave the same output, the anchor of the
+        observed correction (factorizing is the costliest learning: done only where it is needed)."""
         source, agent = decision.source, served.call.agent
         verdicts, started = [], time.perf_counter()
         shared = common_prefix(source.token_ids, tokens)
@@ -219,14 +260,15 @@ class Corrector(SharedContextStrategy):
             verdicts = [self._shadow(served, index, shared, reused, method) for method, reused in methods]
         shadow_s = time.perf_counter() - started
         anchor = None
-        if not self._pool_settled(served.call.scope.tenant, source, tokens, agent):
+        raw_serves = any(v.method == "raw" and v.agrees for v in verdicts)  # then a correction is not needed
+        if not raw_serves and not self._pool_settled(edge):
             anchor = self.prepare_anchor(agent, tokens, decision, kv, own_tokens_exact=True)
         return verdicts, shadow_s, anchor
 
-    def _pool_settled(self, tenant: str | None, source: Materialization, tokens: Sequence[int], agent: str) -> bool:
+    def _pool_settled(self, edge: tuple) -> bool:
         """A full pool whose corrections this edge serves learns nothing worth its factorization."""
-        pool = self.bank.pools.get((tenant, source.slot))
-        record = self.verification.edges.get(_edge(tenant, source.slot, source, agent))
+        pool = self.bank.pools.get(edge[:2])
+        record = self.verification.edges.get(edge)
         return (pool is not None and len(pool) >= pool.capacity and record is not None
                 and record.choice(can_correct=True) == "corrected")
 
@@ -245,7 +287,7 @@ class Corrector(SharedContextStrategy):
         max_tokens = max(1, min(SHADOW_TOKENS, len(result.token_ids))) if served.greedy else 1
         shadow = self.engine.execute(ExecRequest(
             plans, SamplingParams(max_tokens=max_tokens), cache_salt=tenant_salt(call.scope.tenant),
-            internal=True, capture_kv=False))  # lineage None: its approximate KV is never cached
+            internal=True, capture_kv=False, priority=SHADOW_PRIORITY))  # lineage None: its approximate KV is never cached
         return compare_outputs(method, result.last_logits, greedy_tokens, shadow.last_logits, shadow.token_ids)
 
     def _learn(self, edge: tuple, studied: tuple[list[Verdict], float, PreparedAnchor | None]) -> None:
@@ -294,13 +336,15 @@ class Corrector(SharedContextStrategy):
     # --- one shared segment, before the call -----------------------------------------------
 
     def plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
-             source: str | None = None, *, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
+             source: str | None = None, *, start: int = 0, lead_in: Sequence[int] | None = None,
+             after: int = 0) -> PHDecision:
         """How `agent` should materialize this PH segment; `source` pins the edge's source agent.
         `start`: where the segment sits in the call; `lead_in`: tokens (BOS first) a context-free
-        reference prefill puts before the segment (default: BOS and a neutral newline)."""
+        reference prefill puts before the segment (default: BOS and a neutral newline); `after`:
+        how many of the call's tokens follow the segment (verification tells calls apart by it)."""
         started, references_before = time.perf_counter(), self.sources.reference_s
         try:
-            decision = self._plan(scope, agent, slot, token_ids, source, start, lead_in)
+            decision = self._plan(scope, agent, slot, token_ids, source, start, lead_in, after)
         except Exception as exc:  # noqa: BLE001 - never serve a cache a fault touched: prefill
             self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
@@ -345,7 +389,8 @@ class Corrector(SharedContextStrategy):
         return self.reuse_control.report() if self.reuse_control is not None else None
 
     def _plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
-              source_agent: str | None, start: int = 0, lead_in: Sequence[int] | None = None) -> PHDecision:
+              source_agent: str | None, start: int = 0, lead_in: Sequence[int] | None = None,
+              after: int = 0) -> PHDecision:
         if not self.strategy.reuse:
             return PHDecision("off")
         found = self.sources.find(scope, slot, token_ids, source_agent, lead_in)
@@ -354,7 +399,7 @@ class Corrector(SharedContextStrategy):
         source, shared = found
         if not self.engine.supports_realignment:
             return PHDecision("fallback", reason="not_realignable", source=source)
-        method, refusal = self._accepts(scope, agent, slot, source)  # bookkeeping only: before any tensor work
+        method, refusal = self._accepts(scope, agent, slot, source, after)  # bookkeeping only: before any tensor work
         if refusal is not None:
             return PHDecision("fallback", reason=refusal, source=source)
         if not self._source_is_sound(source):
@@ -368,7 +413,8 @@ class Corrector(SharedContextStrategy):
             return PHDecision("reused", source=source, covered=shared, inject=aligned)
         return self._reuse(scope, agent, slot, source, shared, aligned, start)
 
-    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization) -> tuple[str | None, str | None]:
+    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization,
+                 after: int = 0) -> tuple[str | None, str | None]:
         """(reuse method, refusal) from what is known without touching a tensor: verified
         acceptance's record of the edge ("raw" or "corrected"), or for the entropy gate whether
         the edge has the anchors it needs (None: decide later)."""
@@ -376,7 +422,8 @@ class Corrector(SharedContextStrategy):
             return None, None
         candidates = self.bank.candidates((scope.tenant, slot), source.agent, agent)
         if self.verified:
-            return self.verification.decide(_edge(scope.tenant, slot, source, agent), can_correct=bool(candidates))
+            return self.verification.decide(_edge(scope.tenant, slot, source, agent, after),
+                                            can_correct=bool(candidates))
         if len(candidates) < (1 if self.strategy.max_anchors == 1 else 2):
             return None, "few_anchors"
         return None, None
@@ -556,13 +603,18 @@ class Corrector(SharedContextStrategy):
         return source.id, source.agent, base_k, base_v, agent, correction
 
 
-EXACT_SOURCES = ("dense", "prefix_hit", "decoded", "reference")  # how a source made without reused KV was made
+def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str, after: int) -> tuple:
+    """What verification keys its record by: (tenant, slot, source agent, consumer, whether the
+    source is exact, how long the rest of the call is, in powers of 4). A source that was itself
+    reused carries its own error down a chain, and an approximate segment that a longer context
+    follows can drift where a short one did not (a conversation's later turns): each is verified
+    on its own."""
+    return (tenant, slot, source.agent, consumer, source.how in EXACT, after.bit_length() // 2)
 
 
-def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str) -> tuple:
-    """What verification keys its record by: a source that was itself reused carries its own error
-    along the chain, so reusing it is verified apart from reusing an exact one."""
-    return (tenant, slot, source.agent, consumer, source.how in EXACT_SOURCES)
+def _after(served: Served, index: int) -> int:
+    """How many of the call's tokens follow segment `index`."""
+    return len(served.call.prompt) - served.call.starts[index + 1]
 
 
 def _exact_reference(served: Served, index: int) -> bool:

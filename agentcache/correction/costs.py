@@ -25,25 +25,29 @@ MIN_POINTS = 4
 
 
 class OnlineLine:
-    """y ≈ intercept + slope · x over the latest `window` points."""
+    """y ≈ intercept + slope · x over the latest `window` points. Without spread in x the split is
+    unknown: `flat` puts all of y in the intercept (a cost: overestimated for shorter x), otherwise
+    all in the slope (a saving per token, its fixed part included)."""
 
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, window: int = WINDOW, *, flat: bool = False) -> None:
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.flat = flat
 
     def add(self, x: float, y: float) -> None:
         if x >= 0 and y >= 0:
             self.points.append((float(x), float(y)))
 
     def fit(self) -> tuple[float, float] | None:
-        """(intercept, slope), both ≥ 0; None before MIN_POINTS points. With no spread in x, the
-        mean y per x is the slope (fixed costs then count as per-token: an overestimate)."""
+        """(intercept, slope), both ≥ 0; None before MIN_POINTS points."""
         n = len(self.points)
         if n < MIN_POINTS:
             return None
         mean_x = sum(x for x, _ in self.points) / n
         mean_y = sum(y for _, y in self.points) / n
         var = sum((x - mean_x) ** 2 for x, _ in self.points)
-        if var <= 1e-9 * max(1.0, mean_x ** 2) * n:
+        if var <= 0.01 * max(1.0, mean_x ** 2) * n:  # x within ~10% of its mean: no spread to split on
+            if self.flat:
+                return mean_y, 0.0
             return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
         slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in self.points) / var)
         return max(0.0, mean_y - slope * mean_x), slope
@@ -52,7 +56,7 @@ class OnlineLine:
 class CostModel:
     def __init__(self) -> None:
         self.prefill = OnlineLine()  # seconds of a call's prefill vs tokens it computed
-        self.reuse = OnlineLine()  # seconds to plan a reused segment vs its tokens
+        self.reuse = OnlineLine(flat=True)  # seconds to plan a reused segment vs its tokens
         self.skipped_segments = 0
         self.skipped_tokens = 0
 

@@ -226,7 +226,7 @@ class KVCommCorrector(Corrector):
 
     learns_when_idle = False  # the reference procedure learns right after each call
 
-    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization) -> tuple[None, None]:
+    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization, after: int = 0) -> tuple[None, None]:
         return None, None  # its own gate decides in `_correct`
 
     def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:

@@ -167,6 +167,8 @@ def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentO
 class SharedContextStrategy(ABC):
     """What every shared-context strategy does for a call (see the module's description)."""
 
+    caches_approximate = True  # a reused segment's KV is cached in the caller's lineage for its later turns
+
     @abstractmethod
     def plan_call(self, call: TokenizedCall, *, lineage: str, namespace: str | None,
                   capture_all: bool = False) -> Planned:

@@ -2,7 +2,11 @@
 
 Chained (KVCMAS): the source of an edge is the latest materialization of the segment along the
 workflow (or the named agent's), so the first agent prefills densely and every later one is
-corrected from its predecessor. Non-chained (KVCOMM, the ablation): the source is a context-free
+corrected from its predecessor; with `prefer_exact` (verified KVCMAS), of materializations sharing
+as much, the first exact one (prefilled, or a prefix hit) goes before any that was itself reused:
+an approximate hop's error would compound down the chain, and the first exact one is the same
+producer on every run of a workflow (whichever consumers also prefilled), so its edges stay the
+ones verification has records for. Non-chained (KVCOMM, the ablation): the source is a context-free
 reference, the segment prefilled once after a short lead-in outside the workflow, or for an
 agent's output the generating agent's own cache.
 """
@@ -23,10 +27,11 @@ NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then
 
 
 class SourceFinder:
-    def __init__(self, engine: Engine, store: SegmentStore, chained: bool) -> None:
+    def __init__(self, engine: Engine, store: SegmentStore, chained: bool, prefer_exact: bool = False) -> None:
         self.engine = engine
         self.store = store
         self.chained = chained
+        self.prefer_exact = prefer_exact
         self.reference_s = 0.0  # context-free reference prefills (non-chained), on consumers' critical paths
 
     def find(self, scope: Scope, slot: str, token_ids: Sequence[int], agent: str | None,
@@ -34,7 +39,7 @@ class SourceFinder:
         """The source of this segment and how many of its leading tokens it shares; `agent` pins a
         chained edge's source agent, `lead_in` is what a reference prefill puts before the segment."""
         if self.chained:
-            return self.store.find(scope, slot, token_ids, agent=agent)
+            return self.store.find(scope, slot, token_ids, agent=agent, prefer_exact=self.prefer_exact)
         if slot.startswith("out:"):  # non-chained: an output's reference is its generator's cache
             return self.store.find(scope, slot, token_ids, agent=slot[4:])
         found = self.store.find(scope, slot, token_ids, agent=REFERENCE)

@@ -26,7 +26,9 @@ from agentcache.engine.kv import SegmentKV
 from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope
 
-__all__ = ["Materialization", "SegmentStore"]
+__all__ = ["Materialization", "SegmentStore", "EXACT"]
+
+EXACT = ("dense", "prefix_hit", "decoded", "reference")  # how a materialization made without reused KV was made
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +131,13 @@ class SegmentStore:
             self.evicted += 1
         return entry
 
-    def find(self, scope: Scope, slot: str, token_ids: Sequence[int],
-             agent: str | None = None) -> tuple[Materialization, int] | None:
+    def find(self, scope: Scope, slot: str, token_ids: Sequence[int], agent: str | None = None, *,
+             prefer_exact: bool = False) -> tuple[Materialization, int] | None:
         """The newest materialization (by when it was made) of `slot` in `scope` sharing the longest
-        token prefix with `token_ids` (optionally only `agent`'s), and that prefix length.
+        token prefix with `token_ids` (optionally only `agent`'s), and that prefix length; with
+        `prefer_exact`, of those sharing the longest prefix the oldest exact one (made without
+        reused KV: the producer, whichever consumers happened to prefill it too) before any
+        approximate one.
 
         Only the same content counts: the shared prefix must cover at least half of the segment
         (an agent output re-tokenized from its text may differ from the generated ids near the
@@ -141,6 +146,12 @@ class SegmentStore:
         """
         needed = _needed(len(token_ids))
         k = 1 << (needed.bit_length() - 1)  # the largest power of two <= needed
+
+        def rank(entry: Materialization, shared: int) -> tuple:
+            if prefer_exact and entry.how in EXACT:  # the first exact one: the same producer every run
+                return (shared, True, -entry.serial)
+            return (shared, False, entry.serial)
+
         bucket = self._buckets.get((scope, slot, tuple(token_ids[:k])), {})
         best: tuple[Materialization, int] | None = None
         for entry in list(bucket.values()):
@@ -153,7 +164,7 @@ class SegmentStore:
                 self.remove(entry.id)
                 self.dropped_corrupt += 1
                 continue
-            if shared >= needed and (best is None or (shared, entry.serial) > (best[1], best[0].serial)):
+            if shared >= needed and (best is None or rank(entry, shared) > rank(*best)):
                 best = (entry, shared)
         if best is not None:
             self._kept.touch(best[0].id)

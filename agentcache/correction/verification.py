@@ -1,17 +1,20 @@
 """Acceptance by verification: reuse a shared segment on an edge only while shadow runs show that
 doing so gives the same output as dense prefill.
 
-An edge is (tenant, slot, source agent, consumer agent, whether the source is exact): a source that
-was itself reused carries its own error down a chain, so reusing it is verified on its own. Whenever a consumer's segment is prefilled
+An edge is (tenant, slot, source agent, consumer agent, whether the source is exact, the length of
+the rest of the call in powers of 4): a source that was itself reused carries its own error down a
+chain, and a long continuation after an approximate segment can drift where a short one did not,
+so each is verified on its own. Whenever a consumer's segment is prefilled
 densely while a source existed, the call's own output is the exact reference: when the engine is
 idle, a *shadow run* replays the call with the segment served by each reuse method (`raw`: the
 re-aligned source as it is; `corrected`: with the edge's anchor correction, learned before this
 call) and compares its greedy continuation and last-position distribution with the dense call's.
 A method is served on the edge while its latest verdicts all agree (the one with the lowest KL
 when both do); a disagreement sends the edge back to dense prefill until a new verdict agrees.
-While a method is served, one eligible call in `audit_gap` is still prefilled densely, to keep
-verifying it: the gap doubles with every agreeing audit up to MAX_AUDIT_GAP and returns to 2 on
-a disagreement.
+While a method is served, one reused call in `audit_gap` is audited when the engine is idle: the
+same prompt is replayed densely and the served output compared with it (never on a call's
+critical path). The gap doubles with every agreeing audit up to MAX_AUDIT_GAP and returns to
+FIRST_AUDIT_GAP on a disagreement.
 
 This tracks what acceptance stands for (the answer the consumer gives) on any workload, where the
 paper's entropy gate tracks how alike the anchors are (the `kvcmas_entropy` variant keeps it).
@@ -79,7 +82,7 @@ class EdgeRecord:
         return min(passing)[2] if passing else None
 
     def due_audit(self) -> bool:
-        """Count one call that could reuse; True when this one must be prefilled to re-verify."""
+        """Count one reused call; True when this one is to be audited."""
         self.since_audit += 1
         if self.since_audit >= self.audit_gap:
             self.since_audit = 0
@@ -104,40 +107,44 @@ class Verification:
         self.edges: dict[tuple, EdgeRecord] = {}
         self.shadow_runs = 0
         self.shadow_s = 0.0
+        self.audits = 0
         self.agreed: dict[str, int] = {m: 0 for m in METHODS}
         self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
 
     def decide(self, edge: tuple, can_correct: bool) -> tuple[str | None, str | None]:
-        """(method, None) to reuse, or (None, why the segment is prefilled): "unverified" (no
-        agreeing verdict yet), "audit" (re-verifying a served method)."""
+        """(method, None) to reuse, or (None, "unverified"): no method agreed on the edge yet."""
         record = self.edges.get(edge)
         method = record.choice(can_correct) if record is not None else None
-        if method is None:
-            return None, "unverified"
-        if record.due_audit():
-            return None, "audit"
-        return method, None
+        return (method, None) if method is not None else (None, "unverified")
 
-    def record(self, edge: tuple, verdicts: Sequence[Verdict], seconds: float = 0.0) -> None:
+    def audit_due(self, edge: tuple) -> bool:
+        """Count one reused call on the edge; True when it is to be audited."""
+        record = self.edges.get(edge)
+        return record is not None and record.due_audit()
+
+    def record(self, edge: tuple, verdicts: Sequence[Verdict], seconds: float = 0.0, *, audit: bool = False) -> None:
+        """Keep the verdicts of a shadow run (or, `audit`, of a served call's dense replay)."""
         record = self.edges.setdefault(edge, EdgeRecord())
-        served = record.choice(can_correct=True)
         for verdict in verdicts:
             record.record(verdict)
             (self.agreed if verdict.agrees else self.disagreed)[verdict.method] += 1
-        if served is not None:
-            record.audited(any(v.method == served and v.agrees for v in verdicts))
+        if audit:
+            record.audited(all(v.agrees for v in verdicts))
+            self.audits += 1
         self.shadow_runs += len(verdicts)
         self.shadow_s += seconds
 
     def figures(self) -> dict:
-        return dict(verified_edges=len(self.edges), shadow_runs=self.shadow_runs, shadow_s=round(self.shadow_s, 4),
+        return dict(verified_edges=len(self.edges), shadow_runs=self.shadow_runs, audits=self.audits,
+                    shadow_s=round(self.shadow_s, 4),
                     shadow_agreed=dict(self.agreed), shadow_disagreed=dict(self.disagreed))
 
     # --- persistence: plain JSON, no tensors ---------------------------------------------
 
     def to_json(self, tenant: str | None) -> list[dict]:
         """The records of `tenant`'s edges (edge = (tenant, slot, source, consumer, exact source))."""
-        return [dict(slot=edge[1], source=edge[2], consumer=edge[3], exact_source=edge[4], audit_gap=record.audit_gap,
+        return [dict(slot=edge[1], source=edge[2], consumer=edge[3], exact_source=edge[4], after=edge[5],
+                     audit_gap=record.audit_gap,
                      verdicts=[dict(method=v.method, agrees=v.agrees, kl=v.kl, tokens=v.tokens)
                                for kept in record.verdicts.values() for v in kept])
                 for edge, record in self.edges.items() if edge[0] == tenant]
@@ -146,7 +153,8 @@ class Verification:
         """Add `tenant`'s saved records (after validating every field); returns how many."""
         parsed = []
         for item in records:
-            edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]))
+            edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]),
+                    int(item["after"]))
             record = EdgeRecord(audit_gap=min(MAX_AUDIT_GAP, max(FIRST_AUDIT_GAP, int(item["audit_gap"]))))
             for v in item["verdicts"]:
                 if v["method"] not in METHODS:
