@@ -281,7 +281,12 @@ def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
     result = _quick("serving.py", "--plot", str(plot))
     keys = {"p50_speedup_kvcmas_vs_nonshared", "p50_ratio_chained_vs_nonchained", "p50_ratio_kvcmas_vs_cacheblend",
             "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"}
-    assert keys <= result.keys() and all(result[k] is not None and result[k] > 0 for k in keys)
+    assert keys <= result.keys()
+    assert all(result[k] is not None and result[k] > 0 for k in keys - {"peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"})
+    # verified KVCMAS builds anchors only where raw reuse failed a shadow run: it may hold none
+    kvcmas_peak = result["contexts"]["256"]["loads"]["1.0"]["strategies"]["kvcmas"]["peak_anchor_bytes"]
+    ratio = result["peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"]
+    assert (ratio is None and kvcmas_peak == 0) or ratio > 0
     (context,) = result["contexts"].values()
     assert context["saturation_trajectories_per_s"] > 0 and set(context["loads"]) == {"0.5", "1.0"}
     for point in context["loads"].values():
@@ -293,7 +298,7 @@ def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
             assert row["ttft_p50_s"] <= row["ttft_p90_s"]
         rows = point["strategies"]
         assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.9
-        # anchors grow only where the gates refuse (kvcomm's keeps KVCOMM's own τ): both pools hold some
-        assert rows["kvcomm"]["peak_anchor_bytes"] > 0 and rows["kvcmas"]["peak_anchor_bytes"] > 0
+        # anchors grow only where the gates refuse (kvcomm's keeps KVCOMM's own τ) or raw reuse failed
+        assert rows["kvcomm"]["peak_anchor_bytes"] > 0 and rows["kvcmas"]["peak_anchor_bytes"] >= 0
         assert rows["nonshared"]["peak_anchor_bytes"] == 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"

@@ -243,12 +243,13 @@ def test_demo_and_check_run_on_vllm(tmp_path, capsys):
 
     require_vllm()
     assert main(["check", "--model", "tiny-llama", "--engine", "vllm"]) == 0
-    assert main(["demo", "--engine", "vllm", "--model", "tiny-llama", "--problems", "1",
-                 "--strategies", "kvcmas,nonshared", "--results", str(tmp_path)]) == 0
+    assert main(["demo", "--engine", "vllm", "--model", "tiny-llama", "--documents", "1", "--people", "6",
+                 "--note-tokens", "3", "--answer-tokens", "3", "--second-run", "1", "--results", str(tmp_path)]) == 0
     import json
 
     report = json.loads((tmp_path / "demo.json").read_text())
     assert report["engine"] == "vllm" and {row["strategy"] for row in report["strategies"]} == {"kvcmas", "nonshared"}
+    assert {row["strategy"] for row in report["second_run"]["strategies"]} == {"kvcmas", "nonshared"}
 
 
 def _quick_bench(script: str) -> dict:
