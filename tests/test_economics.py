@@ -73,7 +73,8 @@ def test_an_edge_serves_a_method_only_while_all_its_verdicts_agree():
 def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does_not():
     verification, edge = Verification(), (None, "query", "a", "b", True)
     assert not verification.audit_due(edge)  # an edge never verified is not served: nothing to audit
-    verification.record(edge, [Verdict("raw", True, 0.0, 4)])
+    for _ in range(verification_module.MIN_VERDICTS):
+        verification.record(edge, [Verdict("raw", True, 0.0, 4)])
     gaps = []
     for _ in range(6):
         served = 1
@@ -86,6 +87,9 @@ def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does
     verification.record(edge, [Verdict("raw", False, 0.4, 4)], audit=True)
     assert verification.decide(edge, can_correct=False) == (None, "unverified")
     assert verification.edges[edge].audit_gap == FIRST_AUDIT_GAP and verification.audits == 7
+    for _ in range(verification_module.WINDOW):  # agreeing again: served once the window holds no disagreement
+        verification.record(edge, [Verdict("raw", True, 0.0, 4)])
+    assert verification.decide(edge, can_correct=False) == ("raw", None)
 
 
 # --- the cost model --------------------------------------------------------------------------
