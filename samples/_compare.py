@@ -53,13 +53,14 @@ class StrategyRuns:
                            anchors_dir=None if self.anchors_dir is None else Path(self.anchors_dir) / s)
                 for s in self.strategies}
 
-    def restart(self) -> dict[str, int]:
+    def restart(self) -> dict[str, dict[str, int]]:
         """Close every runtime (saving its anchor pools) and start new ones on empty caches, from
-        the saved pools; the anchors each new runtime loaded."""
+        the saved pools; what each new runtime loaded (anchors, verified edges)."""
         for runtime in self.runtimes.values():
             runtime.close()
         self.runtimes = self._new_runtimes()
-        return {s: rt.summary().get("anchors_loaded", 0) for s, rt in self.runtimes.items()}
+        return {s: {"anchors": rt.summary().get("anchors_loaded", 0), "verified_edges": rt.summary().get("verified_edges", 0)}
+                for s, rt in self.runtimes.items()}
 
     def order(self, round_index: int) -> list[str]:
         """The strategies rotated by round, so none always runs first on a warm machine."""

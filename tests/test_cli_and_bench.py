@@ -40,7 +40,8 @@ def test_demo_runs_the_document_team_and_a_second_run_from_the_saved_anchors(tmp
     assert report["documents"] == 1 and report["warmup_documents"] == 1
     second = report["second_run"]
     assert second["documents"] == 2 and [row["strategy"] for row in second["strategies"]] == ["kvcmas", "nonshared"]
-    assert second["anchors_loaded"]["nonshared"] == 0
+    assert second["loaded"]["nonshared"] == {"anchors": 0, "verified_edges": 0}
+    assert second["loaded"]["kvcmas"]["verified_edges"] > 0  # what the first runtime verified, saved and loaded
     assert list(anchors.glob("kvcmas/*/default.safetensors")), "the first runtime saved its pools"
     for row in report["strategies"] + second["strategies"]:
         assert row["workflow_wall_s"] > 0 and row["prefill_tokens_per_workflow"] > 0 and 0 <= row["agree"] <= 1

@@ -152,7 +152,7 @@ def test_reuse_is_served_only_on_edges_whose_shadow_runs_agreed(preset):
 
 
 def test_an_edge_whose_shadow_runs_disagree_is_always_prefilled(monkeypatch):
-    monkeypatch.setattr("agentcache.correction.corrector.compare_outputs",
+    monkeypatch.setattr("agentcache.correction.replays.compare_outputs",
                         lambda method, *args: Verdict(method, False, 1.0, 1))
     rt = Runtime(make_engine("tiny-llama", pool_blocks=1024), strategy="kvcmas", config=DETERMINISTIC)
     results = [r for seed in range(4) for r in chain(rt, long_query(rt, seed))]
@@ -268,7 +268,7 @@ def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_p
 def test_reused_calls_are_audited_by_a_dense_replay_and_a_failed_audit_stops_reuse(monkeypatch):
     monkeypatch.setattr(CostModel, "worth", lambda self, tokens: True)  # timing-free
     agrees = {"value": True}
-    monkeypatch.setattr("agentcache.correction.corrector.compare_outputs",
+    monkeypatch.setattr("agentcache.correction.replays.compare_outputs",
                         lambda method, *args: Verdict(method, agrees["value"], 0.0, 1))
     engine = make_engine("tiny-llama", pool_blocks=1024)
     rt = Runtime(engine, strategy="kvcmas", config=DETERMINISTIC)

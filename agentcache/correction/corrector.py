@@ -35,13 +35,14 @@ from agentcache.correction.plan import Piece, Planned, PHDecision, Served, Share
 from agentcache.correction.sources import SourceFinder
 from agentcache.correction.store import EXACT, Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
-from agentcache.correction.verification import SHADOW_TOKENS, Verdict, Verification, compare_outputs
+from agentcache.correction.replays import dense_replay, exact_reference, shadow_run
+from agentcache.correction.verification import Verdict, Verification
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.engine.protocol import Engine, SegmentPlan, Step
 from agentcache.idle import Lesson
 from agentcache.engine.tokens import common_prefix
 from agentcache.errors import InputError
-from agentcache.isolation import Scope, tenant_salt
+from agentcache.isolation import Scope
 
 __all__ = ["Corrector", "PreparedAnchor", "UsedAnchors", "DEFERRED"]
 
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 TOKEN_WEIGHT_TEMPERATURE = 1.0  # softmax temperature of the token-wise interpolation weights (App. A.3)
 GATE_LOG = 512  # the latest planned segments kept for calibrating the gate
-SHADOW_PRIORITY = 1  # shadow runs and audits wait behind real calls for admission (lower runs first)
 DEFERRED = object()  # `prepare`'s answer when the call's learning waits for idle time (`lessons`)
 
 
@@ -223,17 +223,8 @@ class Corrector(SharedContextStrategy):
                        lambda studied: self._audited([e for e, _ in due], studied))]
 
     def _audit(self, served: Served, methods: list[str]) -> tuple[list[Verdict], float]:
-        """Replay the served call densely and judge its output against the replay's."""
-        started, call, result = time.perf_counter(), served.call, served.result
-        plans = [SegmentPlan(seg.name, tokens, Step.PREFIX, capture=False)
-                 for seg, tokens in zip(call.segments, call.token_lists)]
-        greedy = served.greedy
-        exact = self.engine.execute(ExecRequest(
-            plans, SamplingParams(max_tokens=max(1, min(SHADOW_TOKENS, len(result.token_ids))) if greedy else 1),
-            cache_salt=tenant_salt(call.scope.tenant), internal=True, capture_kv=False, priority=SHADOW_PRIORITY))
-        verdicts = [compare_outputs(method, exact.last_logits, exact.token_ids if greedy else None,
-                                    result.last_logits, result.token_ids) for method in methods]
-        return verdicts, time.perf_counter() - started
+        started = time.perf_counter()
+        return dense_replay(self.engine, served, methods), time.perf_counter() - started
 
     def _audited(self, edges: list[tuple], studied: tuple[list[Verdict], float]) -> None:
         verdicts, seconds = studied
@@ -248,7 +239,7 @@ class Corrector(SharedContextStrategy):
         source, agent = decision.source, served.call.agent
         verdicts, started = [], time.perf_counter()
         shared = common_prefix(source.token_ids, tokens)
-        if self.verified and shared and _exact_reference(served, index):
+        if self.verified and shared and exact_reference(served, index):
             aligned = self.engine.realign(source.kv.slice(0, shared), 0)
             methods = [("raw", aligned)]
             layout = self.engine.layout
@@ -257,7 +248,7 @@ class Corrector(SharedContextStrategy):
                 corrected = self._corrected(aligned, usable, min(shared, max(a.length for a in usable)), agent)
                 if corrected is not None:
                     methods.insert(0, ("corrected", corrected))
-            verdicts = [self._shadow(served, index, shared, reused, method) for method, reused in methods]
+            verdicts = [shadow_run(self.engine, served, index, shared, reused, method) for method, reused in methods]
         shadow_s = time.perf_counter() - started
         anchor = None
         raw_serves = any(v.method == "raw" and v.agrees for v in verdicts)  # then a correction is not needed
@@ -271,24 +262,6 @@ class Corrector(SharedContextStrategy):
         record = self.verification.edges.get(edge)
         return (pool is not None and len(pool) >= pool.capacity and record is not None
                 and record.choice(can_correct=True) == "corrected")
-
-    def _shadow(self, served: Served, index: int, shared: int, reused: SegmentKV, method: str) -> Verdict:
-        """Replay the served call with segment `index`'s first `shared` tokens served by `reused`
-        (canonical positions) and compare its output with the call's (prefilled densely)."""
-        call, result = served.call, served.result
-        plans = []
-        for i, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
-            if i == index:
-                plans.append(SegmentPlan(seg.slot, tokens[:shared], Step.INJECT, reused))
-                tokens = tokens[shared:]
-            if tokens:
-                plans.append(SegmentPlan(seg.name, tokens, Step.PREFIX, capture=False))
-        greedy_tokens = list(result.token_ids) if served.greedy else None
-        max_tokens = max(1, min(SHADOW_TOKENS, len(result.token_ids))) if served.greedy else 1
-        shadow = self.engine.execute(ExecRequest(
-            plans, SamplingParams(max_tokens=max_tokens), cache_salt=tenant_salt(call.scope.tenant),
-            internal=True, capture_kv=False, priority=SHADOW_PRIORITY))  # lineage None: its approximate KV is never cached
-        return compare_outputs(method, result.last_logits, greedy_tokens, shadow.last_logits, shadow.token_ids)
 
     def _learn(self, edge: tuple, studied: tuple[list[Verdict], float, PreparedAnchor | None]) -> None:
         """A lesson's result, under the runtime's lock: the verdicts and the anchor."""
@@ -615,16 +588,6 @@ def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str,
 def _after(served: Served, index: int) -> int:
     """How many of the call's tokens follow segment `index`."""
     return len(served.call.prompt) - served.call.starts[index + 1]
-
-
-def _exact_reference(served: Served, index: int) -> bool:
-    """Whether the call is exact everywhere but possibly segment `index`: then its output is the
-    reference a shadow run of that segment is compared with."""
-    if not isinstance(served.result.last_logits, torch.Tensor):
-        return False
-    if any(d.reused for i, d in served.decisions.items() if i != index):
-        return False
-    return not any(o.lineage_tokens for parts in served.outcomes for o in parts)
 
 
 def _fits(anchor: Anchor, num_layers: int, features: int) -> bool:

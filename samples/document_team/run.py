@@ -77,7 +77,7 @@ def run_batch(
             loaded = runs.restart()
             again = _run_documents(runs, batch[warmup + documents:], 0, note_tokens, answer_tokens, progress_bar,
                                    "second run (new runtimes, saved anchors)", round_offset=1)
-            report["second_run"] = {"documents": second_run, "anchors_loaded": loaded,
+            report["second_run"] = {"documents": second_run, "loaded": loaded,
                                     "strategies": _rows(runs, again, strategies)}
         for runtime in runs.runtimes.values():
             runtime.close()
@@ -186,7 +186,8 @@ def plot(report: dict[str, Any]):
         left.set_xticks([a + 0.4 - width / 2 for a in range(len(agents))], agents)
         left.set_ylabel("mean TTFT less queueing (s)")
         left.set_title(f"Document team on {report['model']}: ~{report['mean_prompt_tokens']:.0f} prompt tokens")
-        left.legend()
+        left.legend(fontsize="small", ncol=2)
+        left.set_ylim(0, 1.3 * max(row["per_agent_service_s"][a] or 0 for _, row in bars for a in agents))
         labels = [row["strategy"] + suffix for suffix, row in bars]
         for axis, title in ((middle, "workflow wall time (s)"), (right, "same answer as nonshared")):
             axis.set_xticks(range(len(bars)), labels, rotation=30, ha="right")
@@ -205,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser, documents: int = 4, second_ru
                         help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
     parser.add_argument("--documents", type=_at_least(1), default=documents, help="scored documents")
     parser.add_argument("--warmup", type=_at_least(0), default=warmup,
-                        help="documents run first, not scored, to fill the anchor pools")
+                        help="documents run first, not scored: they verify reuse and fill the anchor pools")
     parser.add_argument("--people", type=_at_least(1), default=people, help="people in each directory (~50 tokens each)")
     parser.add_argument("--strategies", default=strategies)
     parser.add_argument("--seed", type=int, default=0)
@@ -256,9 +257,10 @@ def print_report(report: dict[str, Any]) -> None:
     _print_rows(report["strategies"], report["agents"])
     second = report.get("second_run")
     if second:
-        loaded = ", ".join(f"{s}: {n}" for s, n in second["anchors_loaded"].items() if n)
-        print(f"\nSecond run: new runtimes on empty caches, started from the anchor pools the first saved "
-              f"({loaded or 'none loaded'}), {second['documents']} documents, no warm-up\n")
+        loaded = ", ".join(f"{s}: {n['verified_edges']} verified edges and {n['anchors']} anchors"
+                           for s, n in second["loaded"].items() if n["anchors"] or n["verified_edges"])
+        print(f"\nSecond run: new runtimes on empty caches, started from what the first saved "
+              f"({loaded or 'nothing loaded'}), {second['documents']} documents, no warm-up\n")
         _print_rows(second["strategies"], report["agents"])
 
 
