@@ -32,7 +32,8 @@ Workloads (`--workloads`, comma-separated):
 The first `--warmup` workflows of swarm, group_chat and long_doc_* are run but not scored.
 Per workload and strategy, over scored calls: mean TTFT (`ttft_s`, queueing included) overall,
 of the consumers and per agent; workflow wall time (first call entering to last call returning);
-prefill work (prompt − cached − reused tokens, per workflow and summed); reuse ratio (reused /
+prefill work (`CallResult.prefill_tokens`: here prompt − cached − reused tokens, per workflow and
+summed); reuse ratio (reused /
 PH tokens); ratios KVCMAS / NonShared; greedy agreement (calls whose generated token ids equal
 NonShared's for the same workflow and turn); and the KVCMAS runtime's `summary()` figures at the
 end (`anchor_bytes`, `anchor_dense_bytes` when reported, `ph_decisions`, `fallback_reasons`).
@@ -293,11 +294,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def prefill_work(result: CallResult) -> float:
-    """Tokens the call's prefill computed: prompt less exact or lineage prefix hits less reused PH tokens."""
-    return result.prompt_tokens - result.cached_tokens - result.reused_tokens
-
-
 def strategy_figures(flows: list[Flow]) -> dict[str, Any]:
     turns = [t for f in flows for t in f.turns]
     results = [t.result for t in turns]
@@ -324,9 +320,8 @@ def strategy_figures(flows: list[Flow]) -> dict[str, Any]:
         "reused_tokens": reused,
         "ph_tokens": ph,
         "eligible_tokens": eligible,
-        "prefill_work_tokens": sum(prefill_work(r) for r in results),
-        "prefill_work_per_workflow": [sum(prefill_work(t.result) for t in f.turns) for f in flows],
-        "prefill_tokens_reported": sum(r.prefill_tokens for r in results),  # the engine's own count (CallResult)
+        "prefill_work_tokens": sum(r.prefill_tokens for r in results),  # full-forward tokens computed (CallResult)
+        "prefill_work_per_workflow": [sum(t.result.prefill_tokens for t in f.turns) for f in flows],
         "reuse_ratio": reused / ph if ph else 0.0,  # reused / shared tokens
         "reuse_ratio_of_eligible": reused / eligible if eligible else 0.0,  # as Runtime.summary() reports it
         "ph_decisions": decisions,

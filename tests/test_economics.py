@@ -210,11 +210,17 @@ def test_idle_learning_reaches_the_same_pools_as_learning_after_each_call():
 # --- anchor pools that persist -----------------------------------------------------------------
 
 
+def persisting(base, directory, workflows: int, tenant: str | None = None) -> Runtime:
+    """A runtime over `directory` that ran `workflows` chains (its pools not yet saved)."""
+    rt = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=directory)
+    for seed in range(workflows):
+        chain(rt, long_query(rt, seed), tenant=tenant)
+    return rt
+
+
 def test_a_new_runtime_warm_starts_from_the_saved_pools_and_verdicts(tmp_path):
     base = make_engine("tiny-llama", pool_blocks=1024)
-    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
-    for seed in range(3):
-        chain(first, long_query(first, seed))
+    first = persisting(base, tmp_path, 3)
     first.close()
     saved = first.summary()
     path = pools_path(tmp_path, first.anchors.digest, None)
@@ -235,9 +241,7 @@ def test_a_new_runtime_warm_starts_from_the_saved_pools_and_verdicts(tmp_path):
 
 def test_one_tenants_file_never_reaches_another_tenant(tmp_path):
     base = make_engine("tiny-llama", pool_blocks=1024)
-    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
-    for seed in range(2):
-        chain(first, long_query(first, seed), tenant="acme")
+    first = persisting(base, tmp_path, 2, tenant="acme")
     assert [p.name.startswith("tenant-") for p in first.save_anchors()] == [True]
     second = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
     chain(second, long_query(second, 5), tenant="globex")
@@ -251,10 +255,7 @@ def test_one_tenants_file_never_reaches_another_tenant(tmp_path):
 
 def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_path):
     base = make_engine("tiny-llama", pool_blocks=1024)
-    first = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
-    for seed in range(2):
-        chain(first, long_query(first, seed))
-    first.close()
+    persisting(base, tmp_path, 2).close()
     with pytest.raises(InputError, match="strategy settings differ"):
         Runtime(base.fresh(), strategy=STRATEGIES["kvcmas"].replace(max_anchors=4), config=DETERMINISTIC,
                 anchors_dir=tmp_path)

@@ -2,11 +2,13 @@
 shared (PH) segment of a call is materialized, one segment at a time.
 
 Before a call, `plan_call` asks the prefix cache what it already serves and `plan` decides each
-remaining PH segment: look up its source cache (`sources`), re-align it to canonical positions,
-and either hand back KV to inject (corrected, or raw for FullShared) or ask for dense prefill.
-After the call, `settle` records what each segment became (the source of the next edge) and,
-after a dense fallback, inserts the observed correction Δ = C_dense − Align(C_source) as an
-anchor (built by `prepare` with no lock held). Any fault (any exception while planning, a corrupt
+remaining PH segment: skip one not worth reuse work (`costs`), look up its source cache
+(`sources`), ask the edge's acceptance (verified, `verification`; or the entropy gate), re-align
+the source to canonical positions, and either hand back KV to inject (raw or corrected) or ask
+for dense prefill. After the call, `settle` records what each segment became (the source of the
+next edge), and `lessons` leave to idle time what a dense fallback teaches: shadow runs of the
+reuse methods (`replays`) and, where raw reuse fails, the observed correction
+Δ = C_dense − Align(C_source) as an anchor; and audits of reused calls. Any fault (any exception while planning, a corrupt
 anchor or source, NaN) falls back to dense and is counted in `faults`; a corrupt anchor or source
 is removed so that it stops poisoning later calls. A fault while building an anchor after the
 call loses only that anchor.
@@ -33,7 +35,7 @@ from agentcache.correction.lowrank import as_rows, factorize, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.sources import SourceFinder
-from agentcache.correction.store import EXACT, Materialization, SegmentStore
+from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
 from agentcache.correction.replays import dense_replay, exact_reference, shadow_run
 from agentcache.correction.verification import Verdict, Verification
@@ -146,13 +148,9 @@ class Corrector(SharedContextStrategy):
         served it as a prefix hit, in a context no shadow run verified."""
         return not self.verified
 
-    # learning from a finished call waits for idle time (`lessons`); subclasses that learn in
-    # `prepare` (KVCOMM's reference procedure) turn this off
-    learns_when_idle = True
-
     def prepare(self, served: Served) -> Mapping[int, PreparedAnchor | None] | object:
         """`DEFERRED`: what this call teaches is built when the engine is idle (`lessons`)."""
-        return DEFERRED if self.learns_when_idle else {}
+        return DEFERRED
 
     def settle(self, served: Served, prepared: Mapping[int, PreparedAnchor | None] | object | None = None) -> None:
         """Record how each PH segment was materialized and the agent's output: the sources of the
@@ -193,7 +191,7 @@ class Corrector(SharedContextStrategy):
         """What a settled call teaches, to learn when the engine is idle: for each PH segment
         prefilled densely while it had a source, whether reusing it would have given the same
         output (shadow runs, `verification`) and the correction it observed (an anchor)."""
-        if not (self.learns_when_idle and self.strategy.reuse and self.strategy.correct):
+        if not (self.strategy.reuse and self.strategy.correct):
             return []
         lessons = self._audits(served)
         for index, seg, tokens, decision, _, kv in served.shared():
@@ -295,7 +293,7 @@ class Corrector(SharedContextStrategy):
         return dict(
             anchors=self.bank.num_anchors, anchor_bytes=self.bank.nbytes, anchors_evicted=self.bank.evicted,
             store_bytes=self.store.nbytes, store_entries=len(self.store), anchor_build_s=self.anchor_build_s,
-            anchor_dense_bytes=self.bank.dense_numel * torch.empty((), dtype=self.engine.layout.dtype).element_size(),  # the KV they describe
+            anchor_dense_bytes=self.bank.dense_numel * self.engine.layout.dtype.itemsize,  # the KV they describe
             gate_tau=self.tau, gate_calibration=self.calibrated, acceptance=self.strategy.accept,
             **(self.verification.figures() if self.verified else {}),
             **(self.costs.figures() if self.costs is not None else {}),
@@ -582,7 +580,7 @@ def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str,
     reused carries its own error down a chain, and an approximate segment that a longer context
     follows can drift where a short one did not (a conversation's later turns): each is verified
     on its own."""
-    return (tenant, slot, source.agent, consumer, source.how in EXACT, after.bit_length() // 2)
+    return (tenant, slot, source.agent, consumer, source.exact, after.bit_length() // 2)
 
 
 def _after(served: Served, index: int) -> int:

@@ -32,13 +32,18 @@ class OnlineLine:
     def __init__(self, window: int = WINDOW, *, flat: bool = False) -> None:
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
         self.flat = flat
+        self._fit: tuple[float, float] | None = None  # fitted once per point added: read per planned segment
 
     def add(self, x: float, y: float) -> None:
         if x >= 0 and y >= 0:
             self.points.append((float(x), float(y)))
+            self._fit = self._least_squares()
 
     def fit(self) -> tuple[float, float] | None:
         """(intercept, slope), both ≥ 0; None before MIN_POINTS points."""
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float] | None:
         n = len(self.points)
         if n < MIN_POINTS:
             return None

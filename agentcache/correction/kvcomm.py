@@ -224,7 +224,8 @@ class KVCommCorrector(Corrector):
                 offset += len(call.token_lists[j])
         return injected
 
-    learns_when_idle = False  # the reference procedure learns right after each call
+    def lessons(self, served: Served) -> list:
+        return []  # the reference procedure learns right after each call (`prepare`)
 
     def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization, after: int = 0) -> tuple[None, None]:
         return None, None  # its own gate decides in `_correct`

@@ -26,9 +26,7 @@ from agentcache.engine.kv import SegmentKV
 from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope
 
-__all__ = ["Materialization", "SegmentStore", "EXACT"]
-
-EXACT = ("dense", "prefix_hit", "decoded", "reference")  # how a materialization made without reused KV was made
+__all__ = ["Materialization", "SegmentStore"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,11 @@ class Materialization:
     how: str  # "dense", "prefix_hit", "corrected", "reused", "decoded", "reference"
     serial: int = 0  # order of materialization: higher is newer
     hidden: torch.Tensor | None = None  # (T, hidden size) entering DroidSpeak's layer group, when kept
+
+    @property
+    def exact(self) -> bool:
+        """Made with no reused KV before or in it (its KV's digest says so; KV too corrupt to say is not)."""
+        return getattr(self.kv, "exact", False) is True
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +151,7 @@ class SegmentStore:
         k = 1 << (needed.bit_length() - 1)  # the largest power of two <= needed
 
         def rank(entry: Materialization, shared: int) -> tuple:
-            if prefer_exact and entry.how in EXACT:  # the first exact one: the same producer every run
+            if prefer_exact and entry.exact:  # the first exact one: the same producer every run
                 return (shared, True, -entry.serial)
             return (shared, False, entry.serial)
 

@@ -151,8 +151,7 @@ def _rows(runs: StrategyRuns, done: _Batch, strategies: Sequence[str]) -> list[d
                                                   / sum(r.ttft_s - r.queued_s for r in base_later))
         row["workflow_wall_s"] = sum(done.walls[name]) / len(done.walls[name])
         row["wall_vs_baseline"] = sum(done.walls[name]) / base_wall if base_wall else None
-        row["prefill_tokens_per_workflow"] = sum(
-            r.prompt_tokens - r.cached_tokens - r.reused_tokens for r in mine) / len(truth)
+        row["prefill_tokens_per_workflow"] = sum(r.prefill_tokens for r in mine) / len(truth)
         row.update(runtime_figures(runs.runtimes[name]))
         rows.append(row)
     return rows
