@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentcache.correction import verification as verification_module
-from agentcache.correction.costs import PRIOR_BREAK_EVEN, CostModel, OnlineLine
+from agentcache.correction.costs import PRIOR_BREAK_EVEN, Continuations, CostModel, OnlineLine
 from agentcache.correction.persist import pools_path
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.correction.verification import (FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord, Verdict,
@@ -113,6 +113,42 @@ def test_a_line_without_spread_puts_its_cost_where_it_is_conservative():
         cost.add(3000, 0.08)
     assert saving.fit() == pytest.approx((0.0, 0.002))  # a prefill's fixed part counts per token
     assert cost.fit() == pytest.approx((0.08, 0.0))  # a reuse of 3,000 tokens costs a short segment as much
+
+
+def test_continuations_learn_how_much_of_a_prompt_the_agents_next_call_starts_with():
+    seen = Continuations()
+    expected = []
+    for session in ("s0", "s1"):
+        expected.append(seen.observe("t", session, "chatty", [1, 2, 3, 4]))
+        seen.observe("t", session, "chatty", [1, 2, 3, 4, 5, 6, 7, 8])  # extends its first call whole
+        seen.observe("t", session, "once", [1, 2, 3, 4])
+    assert expected == [0.0, 1.0]  # learned from the first session, for the second
+    assert seen.share("t", "chatty", follow_up=False) == 1.0  # its first call is followed, found whole
+    assert seen.share("t", "chatty", follow_up=True) == 0.0  # its second is not followed
+    assert seen.share("t", "once", follow_up=False) == 0.0 and seen.share("other", "chatty", False) == 0.0
+    costs = CostModel()
+    assert costs.worth(PRIOR_BREAK_EVEN + 10) and not costs.worth(PRIOR_BREAK_EVEN + 10, lost=20)
+
+
+def test_an_agent_that_extends_its_own_prompt_keeps_its_prefix_cache_instead_of_reusing():
+    """A conversation: reused KV is never cached, so reusing a long shared segment early in a
+    prompt would cost the agent's next turn the prefix hit of everything after it."""
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=1024), strategy="kvcmas", config=DETERMINISTIC)
+    decisions = []
+    for k in range(3):
+        topic = Segment.ph("topic", long_query(rt, seed=k))
+        rt.run(AgentCall(agent="host", session=f"s{k}", segments=(Segment.pf("You host.\n"), topic)), THREE)
+        transcript = []
+        for turn in range(2):
+            call = AgentCall(agent="guest", session=f"s{k}", segments=(
+                Segment.pf("You are a guest.\n"), topic, *transcript, Segment.pf("\nguest:")))
+            result = rt.run(call, THREE)
+            decisions.append([s.decision for s in result.segments if s.kind == "ph"][0])
+            transcript += [Segment.pf("\nguest:"), rt.output_segment("guest", session=f"s{k}")]
+    # the first conversation teaches that the guest's second turn starts with its first prompt
+    assert decisions[0] == "fallback" and decisions[2] == decisions[4] == "off"
+    assert not {"reused", "corrected"} & set(decisions[2:])  # each conversation's later turn: its prefix hit
+    assert rt.corrector.costs.continuations.share(None, "guest", follow_up=False) > 0.9
 
 
 def test_a_segment_not_worth_reuse_runs_as_nonshared_with_no_reuse_work():
@@ -267,7 +303,7 @@ def test_a_file_of_other_settings_or_weights_is_refused_with_a_clear_error(tmp_p
 
 
 def test_reused_calls_are_audited_by_a_dense_replay_and_a_failed_audit_stops_reuse(monkeypatch):
-    monkeypatch.setattr(CostModel, "worth", lambda self, tokens: True)  # timing-free
+    monkeypatch.setattr(CostModel, "worth", lambda self, tokens, lost=0: True)  # timing-free
     agrees = {"value": True}
     monkeypatch.setattr("agentcache.correction.replays.compare_outputs",
                         lambda method, *args: Verdict(method, agrees["value"], 0.0, 1))

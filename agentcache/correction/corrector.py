@@ -104,11 +104,12 @@ class Corrector(SharedContextStrategy):
         admission; the prefix cache is asked here only as a hint, to skip correcting what it
         covers. Only PH segments' KV comes back from the engine, unless `capture_all`."""
         covered = self.engine.cached_prefix_length(call.prompt, lineage=lineage, cache_salt=namespace)  # a hint
+        kept = self._kept_for_next_call(call)  # tokens of this prompt the agent's next call would find cached
         decisions: dict[int, PHDecision] = {}
         pieces: list[Piece] = []
         for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
             pos = call.starts[index]
-            if seg.kind == "ph" and pos + len(tokens) > covered and not self._worth(len(tokens)):
+            if seg.kind == "ph" and pos + len(tokens) > covered and not self._worth(len(tokens), max(0, kept - pos)):
                 decisions[index] = PHDecision("off", reason="not_worth")  # as NonShared: nothing captured or kept
                 pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX, capture=capture_all)))
                 continue
@@ -116,6 +117,7 @@ class Corrector(SharedContextStrategy):
                 decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source,
                                      after=len(call.prompt) - call.starts[index + 1])
                 if decision.reused and decision.covered > covered - pos:
+                    kept = 0  # nothing after reused KV is cached: later reuses cost the next call nothing more
                     decisions[index] = decision
                     pieces.extend(Piece(index, plan) for plan in self._injected(seg.slot, tokens, decision))
                     continue
@@ -126,9 +128,18 @@ class Corrector(SharedContextStrategy):
                                                    capture=capture_all or seg.kind == "ph")))
         return Planned(tuple(pieces), MappingProxyType(decisions))
 
-    def _worth(self, tokens: int) -> bool:
-        """Whether a shared segment this long is worth any reuse work (always, for the baselines)."""
-        if self.costs is None or self.costs.worth(tokens):
+    def _kept_for_next_call(self, call: TokenizedCall) -> int:
+        """How many of this prompt's tokens the agent's next call in the session is expected to find
+        in the prefix cache if this call is served exactly (learned per agent as calls come)."""
+        if self.costs is None:
+            return 0
+        tenant, session = call.scope.tenant, call.scope.session
+        return int(self.costs.continuations.observe(tenant, session, call.agent, call.prompt) * len(call.prompt))
+
+    def _worth(self, tokens: int, lost: int = 0) -> bool:
+        """Whether a shared segment this long is worth any reuse work (always, for the baselines),
+        `lost` tokens of the agent's next call's prefix hit included."""
+        if self.costs is None or self.costs.worth(tokens, lost):
             return True
         self.costs.skipped(tokens)
         return False

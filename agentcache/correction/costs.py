@@ -4,9 +4,15 @@ Two lines are fitted online (least squares over the latest calls): a call's pref
 the tokens it computed (`prefill`: its slope is what one token saves when reused) and the time to
 plan a reused segment against its tokens (`reuse`: looking the source up, re-aligning it,
 correcting it). A shared segment is worth reuse work only when what its reuse saves covers twice
-what it costs on the critical path; otherwise it runs as NonShared would, with no reuse work at
-all (no KV captured, nothing stored, nothing learned). Until both lines are fitted, a segment is
-worth it from PRIOR_BREAK_EVEN tokens.
+what it costs on the critical path, plus what it costs the agent's next call (`Continuations`);
+otherwise it runs as NonShared would, with no reuse work at all (no KV captured, nothing stored,
+nothing learned). Until both lines are fitted, a segment is worth it from PRIOR_BREAK_EVEN tokens
+that the next call would not have found in the prefix cache.
+
+Reused KV is approximate, so it is never cached: an agent whose next call extends this prompt (a
+conversation that grows) would find the prefix cache only up to the first reused segment, and
+prefill again everything after it. `Continuations` learns, per agent, how much of a prompt its
+next call in the session finds again, and that is charged to any reuse before it.
 
 Learning (anchors, verification) runs when the engine is idle (`agentcache.idle`), so it is not
 charged to a call's critical path here.
@@ -14,14 +20,18 @@ charged to a call's critical path here.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 
-__all__ = ["CostModel", "OnlineLine", "PRIOR_BREAK_EVEN", "MARGIN"]
+import torch
+
+__all__ = ["Continuations", "CostModel", "OnlineLine", "PRIOR_BREAK_EVEN", "MARGIN"]
 
 PRIOR_BREAK_EVEN = 64  # tokens: reuse work is worth it from here until the lines are fitted
 MARGIN = 2.0  # a reuse must save at least this many times what it costs
 WINDOW = 64  # observations each line is fitted on
 MIN_POINTS = 4
+LATEST_PROMPTS = 256  # (tenant, session, agent) whose latest prompt is kept to compare the next one with
 
 
 class OnlineLine:
@@ -58,10 +68,50 @@ class OnlineLine:
         return max(0.0, mean_y - slope * mean_x), slope
 
 
+class Continuations:
+    """How much of an agent's prompt its next call in the same session starts with, learned per
+    (tenant, agent) over its calls, apart for an agent's first call in a session and its later
+    ones (a conversation's first turn is always followed; its last is not): the share of a prompt
+    a dense call leaves in the prefix cache for the agent's next call."""
+
+    def __init__(self, sessions: int = LATEST_PROMPTS) -> None:
+        # (tenant, session, agent) -> (its latest prompt, whether that call was a follow-up); an LRU
+        self.latest: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()
+        self.sessions = sessions
+        self.calls: Counter[tuple] = Counter()  # (tenant, agent, follow-up) -> prompts seen
+        self.found: Counter[tuple] = Counter()  # (tenant, agent, follow-up) -> shares the next calls started with
+
+    def observe(self, tenant: str | None, session: str | None, agent: str, prompt: Sequence[int]) -> float:
+        """A call of `agent` in `session` with this prompt: learn how much of the agent's previous
+        prompt in the session it starts with, and return the share of this prompt the agent's next
+        call is expected to start with (from the calls before this one)."""
+        key, tokens = (tenant, session, agent), torch.tensor(prompt, dtype=torch.int64)
+        previous = self.latest.pop(key, None)
+        if previous is not None and len(previous[0]):
+            before, was_follow_up = previous
+            n = min(len(before), len(tokens))
+            differs = (before[:n] != tokens[:n]).nonzero()
+            shared = int(differs[0, 0]) if len(differs) else n
+            self.found[(tenant, agent, was_follow_up)] += shared / len(before)
+        follow_up = previous is not None
+        expected = self.share(tenant, agent, follow_up)
+        self.calls[(tenant, agent, follow_up)] += 1
+        self.latest[key] = (tokens, follow_up)
+        while len(self.latest) > self.sessions:
+            self.latest.popitem(last=False)
+        return expected
+
+    def share(self, tenant: str | None, agent: str, follow_up: bool) -> float:
+        """The expected share of `agent`'s prompt its next call in the session finds cached."""
+        key = (tenant, agent, follow_up)
+        return self.found[key] / self.calls[key] if self.calls[key] else 0.0
+
+
 class CostModel:
     def __init__(self) -> None:
         self.prefill = OnlineLine()  # seconds of a call's prefill vs tokens it computed
         self.reuse = OnlineLine(flat=True)  # seconds to plan a reused segment vs its tokens
+        self.continuations = Continuations()
         self.skipped_segments = 0
         self.skipped_tokens = 0
 
@@ -73,13 +123,14 @@ class CostModel:
         if tokens > 0:
             self.reuse.add(tokens, seconds)
 
-    def worth(self, tokens: int) -> bool:
-        """Whether reusing a shared segment of `tokens` tokens can pay for its reuse work."""
+    def worth(self, tokens: int, lost: float = 0.0) -> bool:
+        """Whether reusing a shared segment of `tokens` tokens can pay for its reuse work and for
+        the `lost` tokens the agent's next call is expected to prefill again because of it."""
         prefill, reuse = self.prefill.fit(), self.reuse.fit()
         if prefill is None or reuse is None:
-            return tokens >= PRIOR_BREAK_EVEN
+            return tokens - lost >= PRIOR_BREAK_EVEN
         fixed, per_token = reuse
-        saved = prefill[1] * tokens
+        saved = prefill[1] * (tokens - lost)
         return saved > MARGIN * (fixed + per_token * tokens)
 
     def skipped(self, tokens: int) -> None:
