@@ -82,11 +82,13 @@ def plan_call(
     runtime_id: str,
     on_token: Callable[[int], None] | None = None,
     capture_all: bool = False,
+    tokenized: TokenizedCall | None = None,
 ) -> CallPlan:
-    """Tokenize `call` and let `strategy` plan it. The approximate KV the call caches is salted
-    for its lineage in runtime `runtime_id` (none is cached when the strategy says so), its exact
-    blocks for its tenant; `capture_all` asks for every segment's KV (for measuring)."""
-    tokenized = tokenize_call(engine, call)
+    """Tokenize `call` (unless given its `tokenized` form) and let `strategy` plan it. The
+    approximate KV the call caches is salted for its lineage in runtime `runtime_id` (none is
+    cached when the strategy says so), its exact blocks for its tenant; `capture_all` asks for
+    every segment's KV (for measuring)."""
+    tokenized = tokenize_call(engine, call) if tokenized is None else tokenized
     lineage = lineage_salt(runtime_id, tokenized.scope, call.agent) if strategy.caches_approximate else None
     namespace = tenant_salt(call.tenant)
     planned = strategy.plan_call(tokenized, lineage=lineage, namespace=namespace, capture_all=capture_all)

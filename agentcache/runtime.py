@@ -1,6 +1,8 @@
 """The Runtime: one object that runs agent calls with a shared-context strategy.
 
-A call's story (`run`, or `arun` on an event loop): check the input; plan it under the runtime's
+A call's story (`run`, or `arun` on an event loop): check the input; wait, with no lock held, for
+shared context in flight that the strategy says the call should reuse (a reference prefill its
+siblings share); plan it under the runtime's
 lock (the strategy decides every shared segment into an immutable `CallPlan`); run it on the
 engine with no lock held (batched with the other calls; reused KV the engine refuses is never
 offered again); let the strategy learn from what was served (with no lock held) and settle it
@@ -16,17 +18,18 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_all
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from agentcache.calls import CallPlan, plan_call
+from agentcache.calls import CallPlan, plan_call, tokenize_call
 from agentcache.config import RuntimeConfig
 from agentcache.correction import make_corrector
 from agentcache.correction.persist import AnchorFiles
-from agentcache.correction.plan import Served
+from agentcache.correction.plan import Served, TokenizedCall
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
@@ -53,10 +56,14 @@ class _Flight:
 
     call: AgentCall
     event: DispatchEvent | None
-    plan: CallPlan
+    sampling: SamplingParams
+    on_token: Callable[[int], None] | None
     started: float  # TTFT runs from here: planning and waiting in the engine included
-    locked_s: float  # waiting for other calls' planning or settling
     ticket: object  # counts the call in flight
+    locked_s: float = 0.0  # waiting for other calls' planning or settling
+    tokenized: TokenizedCall | None = None
+    awaited: tuple[Future, ...] = ()  # shared context in flight to wait for before planning
+    plan: CallPlan | None = None
     submitted: float = 0.0
 
 
@@ -99,8 +106,10 @@ class Runtime:
             on_token: Callable[[int], None] | None = None) -> CallResult:
         """Run one agent call and return its text, timings and per-segment decisions. `event` is the
         adapter's dispatch event (of the call's agent and session); `on_token` gets each token id."""
-        flight = self._plan(call, sampling, event, on_token)
+        flight = self._enter(call, sampling, event, on_token)
         try:
+            wait_for_all(flight.awaited)
+            self._plan(flight)
             while True:
                 try:
                     result = self._submit(flight).result()
@@ -126,8 +135,11 @@ class Runtime:
     async def _arun(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
                     on_token: Callable[[int], None] | None, started: float) -> CallResult:
         loop = asyncio.get_running_loop()
-        flight = await loop.run_in_executor(self._planner, self._plan, call, sampling, event, on_token, started)
+        flight = await loop.run_in_executor(self._planner, self._enter, call, sampling, event, on_token, started)
         try:
+            if flight.awaited:  # on the event loop: the planning thread is not held
+                await asyncio.wait([asyncio.wrap_future(f) for f in flight.awaited])
+            await loop.run_in_executor(self._planner, self._plan, flight)
             while True:
                 try:
                     result = await asyncio.wrap_future(await loop.run_in_executor(self._planner, self._submit, flight))
@@ -140,30 +152,40 @@ class Runtime:
         await loop.run_in_executor(self._learner, self.log.emit, outcome)
         return outcome
 
-    def _plan(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-              on_token: Callable[[int], None] | None, started: float | None = None) -> _Flight:
-        """Check the input and plan the call under the lock; the call is in flight from here.
-        `started` (now by default): when the call reached the runtime."""
+    def _enter(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
+               on_token: Callable[[int], None] | None, started: float | None = None) -> _Flight:
+        """Check the input and ask the strategy, under the lock, what shared context in flight the
+        call should wait for; the call is in flight from here. `started` (now by default): when
+        the call reached the runtime."""
         call = AgentCall.checked(call, "Runtime.run")
         sampling = SamplingParams.checked(sampling, "Runtime.run(sampling=...)")
         if on_token is not None and not callable(on_token):
             raise InputError(f"Runtime.run(on_token=...) must be callable (it gets each token id) or None, "
                              f"got {type(on_token).__name__}")
         event = DispatchEvent.checked_for(event, call)
-        started = time.perf_counter() if started is None else started
-        ticket = object()
-        self._flying.add(ticket)  # set.add and discard are atomic: the count needs no lock of its own
+        flight = _Flight(call, event, sampling, on_token, time.perf_counter() if started is None else started, object())
+        self._flying.add(flight.ticket)  # set.add and discard are atomic: the count needs no lock of its own
         try:
             with self._lock, torch.inference_mode():
-                locked_s = time.perf_counter() - started  # waiting for other calls' planning or settling
+                flight.locked_s = time.perf_counter() - flight.started  # waiting for other calls' planning or settling
                 if self.anchors is not None:
                     self.anchors.load(call.tenant)  # once per tenant
-                plan = plan_call(self.engine, self.corrector, call, sampling, runtime_id=self.id, on_token=on_token,
-                                 capture_all=self.config.keep_kv)  # measuring keeps every segment's KV
+                flight.tokenized = tokenize_call(self.engine, call)
+                flight.awaited = self.corrector.awaited(flight.tokenized)
         except BaseException:
-            self._flying.discard(ticket)
+            self._flying.discard(flight.ticket)
             raise
-        return _Flight(call, event, plan, started, locked_s, ticket)
+        return flight
+
+    def _plan(self, flight: _Flight) -> None:
+        """Plan the call under the lock (after what it awaited is done; the caller lands the flight
+        when this fails)."""
+        began = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            flight.locked_s += time.perf_counter() - began
+            flight.plan = plan_call(self.engine, self.corrector, flight.call, flight.sampling, runtime_id=self.id,
+                                    on_token=flight.on_token, capture_all=self.config.keep_kv,  # measuring keeps every KV
+                                    tokenized=flight.tokenized)
 
     def _land(self, flight: _Flight) -> None:
         """The call is settled or failed: no longer in flight."""

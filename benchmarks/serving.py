@@ -10,30 +10,48 @@ trajectory run in turn, trajectories overlap in the engine.
 Load: NonShared's saturation throughput is measured first in the same run (`--saturation`
 trajectories dispatched at once; completed trajectories per second), and each load point offers a
 fraction of it (`--loads`), so a point means the same on any machine; the absolute request rate
-(4 requests per trajectory) is printed beside it. Each strategy keeps one runtime per context
-length: `--warmup` trajectories fill its anchor pools (and profile DroidSpeak's layers); the
-KVCMAS and its ablations run with their defaults (verified acceptance, the cost model); an
-entropy-gated strategy (`kvcmas_entropy`, `kvcomm_canonical`) is held at `--rho-delta` reuse from
-its 8th eligible segment on, in the warm-up (`correction.calibration`; `kvcomm` keeps KVCOMM's own
-gate, τ = 0.3 on raw distances); selective recomputation
-runs at `--rho-selective`. Strategies take turns at every load point (the order
+(4 requests per trajectory) is printed beside it.
+
+Requests: a strategy runs `--trajectories` trajectories at a load point (4 requests each), except at
+the highest load point of the run, where NonShared, KVCMAS and KVCMAS-nonchained run
+max(`--trajectories`, `--full-load-trajectories`). Every strategy at a point is offered the same
+documents at the same arrival times (one with fewer trajectories runs the first ones). The full run
+defaults to 2048 shared tokens, loads 0.5 and 1.0, 15 trajectories (60 requests) per strategy and
+point and 50 (200 requests) at load 1.0 for those three, 16-token outputs, and the strategies
+nonshared, kvcmas, kvcmas_nonchained and cacheblend (`--strategies all` or names add the others);
+`--quick` runs every strategy, 3 trajectories (12 requests) at every point.
+
+Each strategy keeps one runtime per context length: `--warmup` trajectories fill its anchor pools
+(and profile DroidSpeak's layers); the KVCMAS and its ablations run with their defaults (verified
+acceptance, the cost model); an entropy-gated strategy (`kvcmas_entropy`, `kvcomm_canonical`) is
+held at `--rho-delta` reuse from its 8th eligible segment on, in the warm-up
+(`correction.calibration`; `kvcomm` keeps KVCOMM's own gate, τ = 0.3 on raw distances); selective
+recomputation runs at `--rho-selective`. Strategies take turns at every load point (the order
 rotates), each in a tenant of its own, so none is served another's prefix-cache blocks.
 
 Per strategy, context and load: p50 and p90 TTFT (from entering the runtime to the first token,
-queueing included), mean request and trajectory latency, the peak bytes of anchors and of source
+queueing included), over all calls and apart for the calls that reused shared tokens and those that
+prefilled them (`groups`), mean request and trajectory latency, the peak bytes of anchors and of source
 caches, the reuse ratio in tokens and in agent calls (KVCOMM's count), p50 TTFT less the
 reference and template prefills and the gate (as KVCOMM times its own), the achieved throughput,
 and whether the point was sustained (mean trajectory latency at most 3x the strategy's own
-single-stream latency on the warm trajectories of its warm-up: its queue did not run away).
+single-stream latency on the warm trajectories of its warm-up: its queue did not run away). The calls
+are greedy: each strategy but NonShared reports the share of its calls whose tokens equal NonShared's
+for the same trajectory and agent at the same point (`greedy_agreement_vs_nonshared`, over
+`greedy_pairs`).
 
-Keys, at the longest context and the highest load that both NonShared and KVCMAS sustain:
-`p50_speedup_kvcmas_vs_nonshared` (aim >= 2.0), `p50_ratio_chained_vs_nonchained` (aim <= 0.75),
+Keys, at 2048 shared tokens (the longest context when 2048 was not run) and the highest load that
+both NonShared and KVCMAS sustain: `p50_speedup_kvcmas_vs_nonshared` (aim >= 2.0),
+`p90_ratio_kvcmas_vs_nonshared`, `p50_ratio_chained_vs_nonchained` (aim <= 0.75),
 `p50_ratio_kvcmas_vs_cacheblend` (aim < 1; embedded engine only: vLLM's connector fills whole
-contiguous ranges, so the selective baselines are not run there), and
-`peak_anchor_bytes_ratio_kvcomm_vs_kvcmas`. `--plot` writes the PNG (one panel per context
+contiguous ranges, so the selective baselines are not run there),
+`peak_anchor_bytes_ratio_kvcomm_vs_kvcmas`, `greedy_agreement_kvcmas`, `kvcmas_reuse_ratio` and
+`headline_requests` (the requests NonShared, KVCMAS and KVCMAS-nonchained ran there); a key whose
+strategy was not run is None. `--plot` writes the PNG (one panel per context
 length, p50 and p90 TTFT against load, one line per strategy).
 
-    python benchmarks/serving.py [--quick] [--engine embedded|vllm] [--plot serving.png]
+    python benchmarks/serving.py [--quick] [--engine embedded|vllm] [--strategies all|a,b,...]
+                                 [--trajectories 15] [--full-load-trajectories 50] [--plot serving.png]
 """
 
 from __future__ import annotations
@@ -69,6 +87,9 @@ AGENTS = {
 }
 ORDER = ["nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained", "cacheblend", "droidspeak"]
 SELECTIVE = ("cacheblend", "droidspeak")
+FULL_RUN_STRATEGIES = ["nonshared", "kvcmas", "kvcmas_nonchained", "cacheblend"]  # the full run's default
+FULL_LOAD_STRATEGIES = ("nonshared", "kvcmas", "kvcmas_nonchained")  # run --full-load-trajectories at full load
+HEADLINE_CONTEXT = 2048
 # a point is sustained when its trajectories take at most this many times the strategy's unloaded
 # (single-stream, warm) trajectory latency: queues did not build up without bound
 SUSTAINED_SLACK = 3.0
@@ -174,6 +195,18 @@ def poisson_arrivals(count: int, rate: float, rng: random.Random) -> list[float]
     return out
 
 
+def ttft_group(calls: list[CallResult]) -> dict:
+    ttfts = [c.ttft_s for c in calls]
+    return {"count": len(calls), "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90)}
+
+
+def greedy_agreement(calls: list[CallResult], reference: list[CallResult]) -> dict:
+    """The share of `calls` whose tokens equal the reference's call of the same session and agent."""
+    tokens = {(c.session, c.agent): c.token_ids for c in reference}
+    same = [c.token_ids == tokens[c.session, c.agent] for c in calls if (c.session, c.agent) in tokens]
+    return {"greedy_agreement_vs_nonshared": sum(same) / len(same) if same else None, "greedy_pairs": len(same)}
+
+
 def summarize_point(point: Point, unloaded: float | None) -> dict:
     ttfts = [c.ttft_s for c in point.calls]
     eligible = sum(c.eligible_tokens for c in point.calls)
@@ -192,6 +225,8 @@ def summarize_point(point: Point, unloaded: float | None) -> dict:
         "requests": len(point.calls),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
+        "groups": {"reused": ttft_group([c for c in point.calls if c.reused_tokens > 0]),
+                   "prefilled": ttft_group([c for c in point.calls if c.reused_tokens <= 0])},
         # KVCOMM's TTFT leaves out its reference and template prefills and the gate: ours both ways
         "ttft_p50_less_setup_s": percentile([c.ttft_s - sum(s.setup_s for s in c.segments) for c in point.calls], 50),
         "request_latency_mean_s": statistics.fmean(c.total_s for c in point.calls) if point.calls else None,
@@ -215,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
     base = open_engine(args.engine, args.model)
     check = None if args.quick else check_model(base)
     chosen = strategies(args.rho_delta, args.rho_selective)
-    if args.strategies:
+    if "all" not in args.strategies:
         chosen = {n: s for n, s in chosen.items() if n in args.strategies or n == "nonshared"}
     skipped = {}
     serial = iter(range(10**9))
@@ -252,13 +287,14 @@ def run(args: argparse.Namespace) -> dict:
         points = {}
         for turn, load in enumerate(args.loads):
             rate = load * saturation
-            shared_jobs = jobs(context, args.trajectories)
-            arrivals = poisson_arrivals(args.trajectories, rate, rng)
+            counts = {name: trajectory_count(args, name, load) for name in runners}
+            shared_jobs = jobs(context, max(counts.values()))  # the same list for all: each runs its first ones
+            arrivals = poisson_arrivals(len(shared_jobs), rate, rng)
             names = list(runners)
             names = names[turn % len(names):] + names[: turn % len(names)]  # rotate who goes first
-            rows = {name: summarize_point(runners[name].run(shared_jobs, arrivals), unloaded[name]) for name in names}
+            runs = {name: runners[name].run(shared_jobs[:counts[name]], arrivals[:counts[name]]) for name in names}
             points[str(load)] = {"offered_trajectories_per_s": rate, "offered_requests_per_s": 4 * rate,
-                                 "strategies": {name: rows[name] for name in runners}}
+                                 "strategies": point_rows(runs, unloaded, list(runners))}
         report["contexts"][str(context)] = {
             "saturation_trajectories_per_s": saturation,
             "gate_tau": {n: r.runtime.corrector.tau for n, r in runners.items() if r.runtime.strategy.correct},
@@ -269,7 +305,8 @@ def run(args: argparse.Namespace) -> dict:
     report.update(
         model=base.model_name, engine=args.engine, output_tokens=args.output_tokens,
         rho_delta=args.rho_delta, rho_selective=args.rho_selective, skipped=skipped,
-        trajectories_per_point=args.trajectories, warmup_trajectories=args.warmup,
+        trajectories_per_point=args.trajectories, full_load_trajectories=args.full_load_trajectories,
+        full_load_strategies=list(FULL_LOAD_STRATEGIES), warmup_trajectories=args.warmup,
         machine=f"{platform.machine()}, {os.cpu_count()} cpus", wall_s=round(time.perf_counter() - started, 1),
     )
     if args.plot:
@@ -278,17 +315,38 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def trajectory_count(args: argparse.Namespace, name: str, load: float) -> int:
+    """--trajectories, or at the run's highest load the larger --full-load-trajectories for the
+    strategies the headline compares."""
+    if load == max(args.loads) and name in FULL_LOAD_STRATEGIES:
+        return max(args.trajectories, args.full_load_trajectories)
+    return args.trajectories
+
+
+def point_rows(runs: dict[str, Point], unloaded: dict[str, float], names: list[str]) -> dict:
+    """Each strategy's summary at one point, with its greedy agreement against NonShared's calls."""
+    rows = {name: summarize_point(runs[name], unloaded[name]) for name in names}
+    for name in names:
+        if name != "nonshared":
+            rows[name].update(greedy_agreement(runs[name].calls, runs["nonshared"].calls))
+    return rows
+
+
 def headline(report: dict, contexts: list[int], loads: list[float]) -> dict:
-    """The issue's keys at the longest context, highest load both NonShared and KVCMAS sustain."""
-    context = str(max(contexts))
+    """The issue's keys at 2048 shared tokens (else the longest context), highest load both NonShared
+    and KVCMAS sustain."""
+    context = str(HEADLINE_CONTEXT if HEADLINE_CONTEXT in contexts else max(contexts))
     points = report["contexts"][context]["loads"]
     sustained = [load for load in sorted(loads, reverse=True)
                  if all(points[str(load)]["strategies"].get(n, {}).get("sustained") for n in ("nonshared", "kvcmas"))]
     load = str(sustained[0] if sustained else min(loads))
     rows = points[load]["strategies"]
 
+    def value(name: str, key: str) -> float | None:
+        return rows.get(name, {}).get(key)
+
     def p50(name: str) -> float | None:
-        return rows.get(name, {}).get("ttft_p50_s")
+        return value(name, "ttft_p50_s")
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -297,10 +355,14 @@ def headline(report: dict, contexts: list[int], loads: list[float]) -> dict:
     return {
         "headline_context": int(context), "headline_load": float(load), "headline_load_sustained": bool(sustained),
         "p50_speedup_kvcmas_vs_nonshared": ratio(p50("nonshared"), kvcmas),
+        "p90_ratio_kvcmas_vs_nonshared": ratio(value("kvcmas", "ttft_p90_s"), value("nonshared", "ttft_p90_s")),
         "p50_ratio_chained_vs_nonchained": ratio(kvcmas, p50("kvcmas_nonchained")),
         "p50_ratio_kvcmas_vs_cacheblend": ratio(kvcmas, p50("cacheblend")),
-        "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas": ratio(rows.get("kvcomm", {}).get("peak_anchor_bytes"),
-                                                          rows.get("kvcmas", {}).get("peak_anchor_bytes")),
+        "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas": ratio(value("kvcomm", "peak_anchor_bytes"),
+                                                          value("kvcmas", "peak_anchor_bytes")),
+        "headline_requests": {name: value(name, "requests") for name in FULL_LOAD_STRATEGIES},
+        "greedy_agreement_kvcmas": value("kvcmas", "greedy_agreement_vs_nonshared"),
+        "kvcmas_reuse_ratio": value("kvcmas", "reuse_ratio"),
     }
 
 
@@ -340,20 +402,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loads", type=lambda v: [float(x) for x in v.split(",")], default=None,
                         help="fractions of NonShared's saturation throughput, e.g. 0.25,0.5,0.75,1")
     parser.add_argument("--output-tokens", type=int, default=None, help="tokens each agent writes (paper: 128)")
-    parser.add_argument("--trajectories", type=int, default=None, help="trajectories per load point")
+    parser.add_argument("--trajectories", type=int, default=None,
+                        help="trajectories (4 requests each) per strategy and load point")
+    parser.add_argument("--full-load-trajectories", type=int, default=None,
+                        help="at the highest load, NonShared, KVCMAS and KVCMAS-nonchained run the larger of "
+                             "this and --trajectories")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up trajectories per strategy and context")
     parser.add_argument("--saturation", type=int, default=None, help="trajectories dispatched at once to find saturation")
     parser.add_argument("--rho-delta", type=float, default=0.8, help="reuse ratio the correction gates are calibrated for")
     parser.add_argument("--rho-selective", type=float, default=0.8, help="CacheBlend's and DroidSpeak's reused share")
-    parser.add_argument("--strategies", type=lambda v: [x for x in v.split(",") if x], default=[])
+    parser.add_argument("--strategies", type=lambda v: [x for x in v.split(",") if x], default=None,
+                        help="'all', or names from " + ",".join(ORDER) + " (NonShared always runs); full run: "
+                             + ",".join(FULL_RUN_STRATEGIES) + ", --quick: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write the PNG here")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    quick = dict(model="tiny-llama", contexts=[256], loads=[0.5, 1.0], output_tokens=8, trajectories=3, warmup=5,
-                 saturation=3)
-    full = dict(model=DEFAULT_MODEL, contexts=[1024, 2048, 4096], loads=[0.25, 0.5, 0.75, 1.0], output_tokens=32,
-                trajectories=6, warmup=6, saturation=4)
+    quick = dict(model="tiny-llama", contexts=[256], loads=[0.5, 1.0], output_tokens=8, trajectories=3,
+                 full_load_trajectories=3, warmup=5, saturation=3, strategies=["all"])
+    full = dict(model=DEFAULT_MODEL, contexts=[HEADLINE_CONTEXT], loads=[0.5, 1.0], output_tokens=16, trajectories=15,
+                full_load_trajectories=50, warmup=6, saturation=4, strategies=FULL_RUN_STRATEGIES)
     fill_defaults(args, quick, full)
     result = run(args)
     emit(result, args.out)

@@ -277,26 +277,42 @@ def test_soak_bench_keeps_state_bounded():
 
 def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
     """The load sweep on the embedded engine: every strategy at every load point, the issue's keys,
-    load as a fraction of NonShared's measured saturation, and the plot."""
+    load as a fraction of NonShared's measured saturation, the reused and prefilled calls apart, greedy
+    agreement with NonShared, more trajectories at full load for the headline's three, and the plot."""
     plot = tmp_path / "serving.png"
-    result = _quick("serving.py", "--plot", str(plot))
-    keys = {"p50_speedup_kvcmas_vs_nonshared", "p50_ratio_chained_vs_nonchained", "p50_ratio_kvcmas_vs_cacheblend",
-            "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"}
+    result = _quick("serving.py", "--full-load-trajectories", "4", "--plot", str(plot))
+    keys = {"p50_speedup_kvcmas_vs_nonshared", "p90_ratio_kvcmas_vs_nonshared", "p50_ratio_chained_vs_nonchained",
+            "p50_ratio_kvcmas_vs_cacheblend", "peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"}
     assert keys <= result.keys()
     assert all(result[k] is not None and result[k] > 0 for k in keys - {"peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"})
+    assert result["headline_context"] == 256 and result["headline_load"] in (0.5, 1.0)
+    full_load = result["headline_load"] == 1.0
+    assert result["headline_requests"] == dict.fromkeys(("nonshared", "kvcmas", "kvcmas_nonchained"),
+                                                        4 * (4 if full_load else 3))
+    assert 0 <= result["greedy_agreement_kvcmas"] <= 1 and 0 <= result["kvcmas_reuse_ratio"] <= 1
     # verified KVCMAS builds anchors only where raw reuse failed a shadow run: it may hold none
     kvcmas_peak = result["contexts"]["256"]["loads"]["1.0"]["strategies"]["kvcmas"]["peak_anchor_bytes"]
     ratio = result["peak_anchor_bytes_ratio_kvcomm_vs_kvcmas"]
     assert (ratio is None and kvcmas_peak == 0) or ratio > 0
     (context,) = result["contexts"].values()
     assert context["saturation_trajectories_per_s"] > 0 and set(context["loads"]) == {"0.5", "1.0"}
-    for point in context["loads"].values():
+    for load, point in context["loads"].items():
         assert point["offered_requests_per_s"] == pytest.approx(4 * point["offered_trajectories_per_s"])
         assert set(point["strategies"]) == {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained",
                                             "cacheblend", "droidspeak"}
         for name, row in point["strategies"].items():
-            assert row["errors"] == [] and row["requests"] == 4 * 3
+            more = load == "1.0" and name in ("nonshared", "kvcmas", "kvcmas_nonchained")
+            assert row["errors"] == [] and row["requests"] == 4 * (4 if more else 3)
             assert row["ttft_p50_s"] <= row["ttft_p90_s"]
+            groups = row["groups"]
+            assert groups["reused"]["count"] + groups["prefilled"]["count"] == row["requests"]
+            for group in groups.values():
+                assert (group["ttft_p50_s"] is None) == (group["count"] == 0)
+                assert group["count"] == 0 or group["ttft_p50_s"] <= group["ttft_p90_s"]
+            if name == "nonshared":
+                assert "greedy_agreement_vs_nonshared" not in row and groups["reused"]["count"] == 0
+            else:  # NonShared ran every trajectory it ran
+                assert 0 <= row["greedy_agreement_vs_nonshared"] <= 1 and row["greedy_pairs"] == row["requests"]
         rows = point["strategies"]
         assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.9
         # anchors grow only where the gates refuse (kvcomm's keeps KVCOMM's own τ) or raw reuse failed

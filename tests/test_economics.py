@@ -3,18 +3,20 @@ anchor pools that persist across runtimes (real engines, real tensors)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 import torch
 
+from agentcache.correction import replays
 from agentcache.correction import verification as verification_module
 from agentcache.correction.costs import PRIOR_BREAK_EVEN, Continuations, CostModel, OnlineLine
 from agentcache.correction.persist import pools_path
 from agentcache.correction.strategies import STRATEGIES
-from agentcache.correction.verification import (FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord, Verdict,
-                                                Verification, compare_outputs)
+from agentcache.correction.verification import (CONTEXT_FREE_VERDICTS, FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord,
+                                                Verdict, Verification, compare_outputs)
 from agentcache.engine import SamplingParams
 from agentcache.errors import InputError
 from agentcache.idle import IdleWorker, Lesson
@@ -149,6 +151,36 @@ def test_an_agent_that_extends_its_own_prompt_keeps_its_prefix_cache_instead_of_
     assert decisions[0] == "fallback" and decisions[2] == decisions[4] == "off"
     assert not {"reused", "corrected"} & set(decisions[2:])  # each conversation's later turn: its prefix hit
     assert rt.corrector.costs.continuations.share(None, "guest", follow_up=False) > 0.9
+
+
+def test_siblings_on_a_new_segment_share_one_reference_prefill_once_its_edges_are_verified(monkeypatch):
+    """Three agents dispatched together on a query new to their session: each prefills it until
+    shadow runs of its reference prefill agreed CONTEXT_FREE_VERDICTS times on every edge; then
+    the siblings wait for one reference prefill (with no lock held) and each reuse it."""
+    monkeypatch.setattr(replays, "compare_outputs", _always_agrees)  # random weights: fidelity is tested on Gemma
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy="kvcmas", config=DETERMINISTIC)
+    read = []
+    for k in range(CONTEXT_FREE_VERDICTS + 2):
+        query = long_query(rt, seed=k)
+
+        async def siblings():
+            return await asyncio.gather(*(rt.arun(AgentCall(agent=agent, session=f"s{k}", segments=(
+                Segment.pf(ROLES[agent]), Segment.ph("query", query), Segment.pf("\nNotes:"))), THREE)
+                for agent in ROLES))
+
+        read.append([next(s for s in r.segments if s.kind == "ph") for r in asyncio.run(siblings())])
+    # each workflow's dense reads verify the edges, from the first one on (its siblings are planned
+    # after all three entered the runtime)
+    for workflow in read[:CONTEXT_FREE_VERDICTS]:
+        assert [s.decision for s in workflow] == ["first"] * 3
+    for workflow in read[CONTEXT_FREE_VERDICTS:]:
+        assert [(s.decision, s.source, s.computed_tokens) for s in workflow] == [("reused", "<reference>", 0)] * 3
+    figures = rt.summary()
+    assert figures["sibling_references"] == 2 and figures["faults"] == {}
+
+
+def _always_agrees(method, dense_logits, dense_tokens, shadow_logits, shadow_tokens):
+    return Verdict(method, True, 0.0, len(shadow_tokens))
 
 
 def test_a_segment_not_worth_reuse_runs_as_nonshared_with_no_reuse_work():

@@ -23,6 +23,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -37,8 +38,10 @@ from agentcache.correction.plan import Piece, Planned, PHDecision, Served, Share
 from agentcache.correction.sources import SourceFinder
 from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
-from agentcache.correction.replays import dense_replay, exact_reference, shadow_run
-from agentcache.correction.verification import Verdict, Verification
+from agentcache.correction.replays import REPLAY_PRIORITY, dense_replay, exact_reference, shadow_run
+from agentcache.correction.siblings import SiblingReads, content_of, study_source
+from agentcache.correction.sources import REFERENCE
+from agentcache.correction.verification import CONTEXT_FREE_VERDICTS, MIN_VERDICTS, Verdict, Verification
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, SegmentPlan, Step
 from agentcache.idle import Lesson
@@ -60,6 +63,12 @@ class UsedAnchors:
     """A correction's `PHDecision.detail`: the anchors it interpolated (credited a use when it is served)."""
 
     anchors: tuple[Anchor, ...]
+
+
+@dataclass(frozen=True)
+class SiblingRead:
+    """A `first` decision's detail: siblings read the segment, and the edge from its reference
+    prefill to this agent waits for verification (learned from this call when idle)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class Corrector(SharedContextStrategy):
         self.verification = Verification()
         # KVCMAS weighs each segment's reuse against its cost; the baselines reuse whatever they can
         self.costs = CostModel() if self.verified and strategy.reuse else None
+        self.siblings = SiblingReads()
 
     def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
         """Count and log one fault (`kind` is what summary()["faults"] reports)."""
@@ -103,6 +113,8 @@ class Corrector(SharedContextStrategy):
         injected whole: the engine serves from its prefix cache whatever it holds of it at
         admission; the prefix cache is asked here only as a hint, to skip correcting what it
         covers. Only PH segments' KV comes back from the engine, unless `capture_all`."""
+        for exc in self.siblings.harvest(self.store):
+            self.fault("reference_error", "a reference prefill for siblings failed; they prefill densely", exc)
         covered = self.engine.cached_prefix_length(call.prompt, lineage=lineage, cache_salt=namespace)  # a hint
         kept = self._kept_for_next_call(call)  # tokens of this prompt the agent's next call would find cached
         decisions: dict[int, PHDecision] = {}
@@ -123,10 +135,39 @@ class Corrector(SharedContextStrategy):
                     continue
                 if decision.reused:  # the prefix cache already serves what the source covers
                     decision = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
+                elif decision.decision == "first" and self._siblings_apply(call.scope, seg.slot, tokens):
+                    decision = replace(decision, detail=SiblingRead())
                 decisions[index] = decision
             pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX,
                                                    capture=capture_all or seg.kind == "ph")))
         return Planned(tuple(pieces), MappingProxyType(decisions))
+
+    def awaited(self, call: TokenizedCall) -> tuple[Future, ...]:
+        """Reference prefills `call` should wait for before it is planned (`siblings`): for each
+        shared segment new to its session that siblings read, once raw reuse of its reference
+        prefill is verified for this agent and the segment is worth reuse."""
+        waits = []
+        for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
+            if not (seg.kind == "ph" and self._siblings_apply(call.scope, seg.slot, tokens, reading=True)):
+                continue
+            after = len(call.prompt) - call.starts[index + 1]
+            edge = _edge_of(call.scope.tenant, seg.slot, REFERENCE, True, call.agent, after)
+            if self.verification.decide(edge, can_correct=False, needed=CONTEXT_FREE_VERDICTS)[0] == "raw":
+                future = self.siblings.reference(self.engine, content_of(call.scope, seg.slot, tokens))
+                if not future.done():
+                    waits.append(future)
+        return tuple(waits)
+
+    def _siblings_apply(self, scope: Scope, slot: str, tokens: Sequence[int], reading: bool = False) -> bool:
+        """Whether this segment is new to the session (no source) and read by siblings, for a
+        strategy that verifies reuse (`reading`: a call reads it now, counted once per call)."""
+        if not (self.verified and self.strategy.chained and self.costs is not None
+                and self.engine.supports_realignment and self.costs.worth(len(tokens))):
+            return False
+        if self.sources.find(scope, slot, tokens, None) is not None:
+            return False
+        content = content_of(scope, slot, tokens)
+        return self.siblings.read(content) if reading else self.siblings.is_sibling_read(content)
 
     def _kept_for_next_call(self, call: TokenizedCall) -> int:
         """How many of this prompt's tokens the agent's next call in the session is expected to find
@@ -204,7 +245,7 @@ class Corrector(SharedContextStrategy):
         output (shadow runs, `verification`) and the correction it observed (an anchor)."""
         if not (self.strategy.reuse and self.strategy.correct):
             return []
-        lessons = self._audits(served)
+        lessons = self._audits(served) + self._sibling_lessons(served)
         for index, seg, tokens, decision, _, kv in served.shared():
             if not (kv is not None and kv.exact and decision.decision == "fallback" and decision.source is not None):
                 continue
@@ -215,6 +256,25 @@ class Corrector(SharedContextStrategy):
                 lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates, edge=edge:
                     self._study(served, index, tokens, decision, kv, candidates, edge),
                 lambda studied, edge=edge: self._learn(edge, studied)))
+        return lessons
+
+    def _sibling_lessons(self, served: Served) -> list[Lesson]:
+        """A sibling's dense read of a new segment teaches whether raw reuse of the segment's
+        reference prefill gives the same output: the reference is prefilled and shadow-run when idle."""
+        lessons = []
+        for index, seg, tokens, decision, _, kv in served.shared():
+            if not (isinstance(decision.detail, SiblingRead) and kv is not None and kv.exact):
+                continue
+            scope, agent = served.call.scope, served.call.agent
+            edge = _edge_of(scope.tenant, seg.slot, REFERENCE, True, agent, _after(served, index))
+            content = content_of(scope, seg.slot, tokens)
+
+            def study(index=index, tokens=tokens, decision=decision, kv=kv, edge=edge, content=content):
+                source = study_source(self.engine, content, REPLAY_PRIORITY)
+                return self._study(served, index, tokens, replace(decision, source=source), kv, (), edge)
+
+            lessons.append(Lesson(f"{seg.slot} {REFERENCE}->{agent}", study,
+                                  lambda studied, edge=edge: self._learn(edge, studied)))
         return lessons
 
     def _audits(self, served: Served) -> list[Lesson]:
@@ -308,6 +368,7 @@ class Corrector(SharedContextStrategy):
             gate_tau=self.tau, gate_calibration=self.calibrated, acceptance=self.strategy.accept,
             **(self.verification.figures() if self.verified else {}),
             **(self.costs.figures() if self.costs is not None else {}),
+            **(self.siblings.figures() if self.verified else {}),
             faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
         )
 
@@ -404,8 +465,8 @@ class Corrector(SharedContextStrategy):
             return None, None
         candidates = self.bank.candidates((scope.tenant, slot), source.agent, agent)
         if self.verified:
-            return self.verification.decide(_edge(scope.tenant, slot, source, agent, after),
-                                            can_correct=bool(candidates))
+            return self.verification.decide(_edge(scope.tenant, slot, source, agent, after), can_correct=bool(candidates),
+                                            needed=CONTEXT_FREE_VERDICTS if source.agent == REFERENCE else MIN_VERDICTS)
         if len(candidates) < (1 if self.strategy.max_anchors == 1 else 2):
             return None, "few_anchors"
         return None, None
@@ -591,7 +652,11 @@ def _edge(tenant: str | None, slot: str, source: Materialization, consumer: str,
     reused carries its own error down a chain, and an approximate segment that a longer context
     follows can drift where a short one did not (a conversation's later turns): each is verified
     on its own."""
-    return (tenant, slot, source.agent, consumer, source.exact, after.bit_length() // 2)
+    return _edge_of(tenant, slot, source.agent, source.exact, consumer, after)
+
+
+def _edge_of(tenant: str | None, slot: str, source_agent: str, exact: bool, consumer: str, after: int) -> tuple:
+    return (tenant, slot, source_agent, consumer, exact, after.bit_length() // 2)
 
 
 def _after(served: Served, index: int) -> int:

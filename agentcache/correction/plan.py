@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -174,6 +175,11 @@ class SharedContextStrategy(ABC):
                   capture_all: bool = False) -> Planned:
         """The engine segments and PH decisions for `call`. `lineage` and `namespace` salt what the
         call may be served from the prefix cache; `capture_all`: every segment's KV comes back."""
+
+    def awaited(self, call: TokenizedCall) -> tuple[Future, ...]:
+        """Work in flight (shared segments being prefilled) the call should wait for, with no lock
+        held, before it is planned; none by default."""
+        return ()
 
     def prepare(self, served: Served) -> object | None:
         """Learning that needs no strategy state to change (it runs with no runtime lock held)."""

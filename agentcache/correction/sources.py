@@ -20,7 +20,7 @@ from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["SourceFinder", "REFERENCE", "NEUTRAL_LEAD_IN"]
+__all__ = ["SourceFinder", "REFERENCE", "NEUTRAL_LEAD_IN", "reference_request"]
 
 REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
@@ -52,14 +52,19 @@ class SourceFinder:
                            lead_in: Sequence[int] | None = None) -> Materialization | None:
         """Prefill the segment after `lead_in` (BOS and a neutral newline by default), outside the workflow."""
         started = time.perf_counter()
-        lead = list(lead_in) if lead_in else self.engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
-        request = ExecRequest(
-            [SegmentPlan("lead-in", lead, Step.PREFIX), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
-            # on the first consumer's critical path: a real request's priority and chunks, but no
-            # agent dispatch and no hit in the statistics
-            SamplingParams(max_tokens=1), owner=REFERENCE, internal=True,
-            cache_salt=tenant_salt(scope.tenant),  # the tenant's text: cached in the tenant's namespace only
-        )
-        result = self.engine.execute(request)
+        # on the first consumer's critical path: a real request's priority and chunks
+        result = self.engine.execute(reference_request(self.engine, scope, slot, token_ids, lead_in))
         self.reference_s += time.perf_counter() - started
         return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
+
+
+def reference_request(engine: Engine, scope: Scope, slot: str, token_ids: Sequence[int],
+                      lead_in: Sequence[int] | None = None, priority: int = 0) -> ExecRequest:
+    """A context-free reference prefill of a segment: `lead_in` (BOS and a neutral newline by
+    default), then the segment, whose KV is the result's second segment. The runtime's own request
+    (no agent dispatch, no hit in the statistics), cached in the scope's tenant namespace only."""
+    lead = list(lead_in) if lead_in else engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
+    return ExecRequest(
+        [SegmentPlan("lead-in", lead, Step.PREFIX, capture=False), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
+        SamplingParams(max_tokens=1), owner=REFERENCE, internal=True, priority=priority,
+        cache_salt=tenant_salt(scope.tenant))

@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["Verdict", "EdgeRecord", "Verification", "METHODS", "WINDOW", "MIN_VERDICTS", "MAX_AUDIT_GAP",
-           "SHADOW_TOKENS", "compare_outputs"]
+           "SHADOW_TOKENS", "CONTEXT_FREE_VERDICTS", "compare_outputs"]
 
 METHODS = ("corrected", "raw")
 WINDOW = 3  # verdicts kept per edge and method
 # agreeing verdicts before a method is served: 2 halved long-document reuse over 5 workflows
 # (consumer TTFT 0.37x NonShared's against 0.11x) and left greedy agreement where it was (0.958)
 MIN_VERDICTS = 1
+# a context-free source (a reference prefill siblings share) is further from every consumer's
+# context: raw reuse of it changed 40% of a Gemma swarm's answers with one verdict per edge
+CONTEXT_FREE_VERDICTS = WINDOW
 FIRST_AUDIT_GAP = 2
 MAX_AUDIT_GAP = 16  # at most one eligible call in 16 prefilled densely to re-verify a served method
 SHADOW_TOKENS = 8  # greedy tokens a shadow run compares (fewer when the call generated fewer)
@@ -75,13 +78,13 @@ class EdgeRecord:
     audit_gap: int = FIRST_AUDIT_GAP
     since_audit: int = 0
 
-    def choice(self, can_correct: bool) -> str | None:
-        """The method to serve: at least MIN_VERDICTS kept and every one agrees, lowest mean KL
-        first; None: prefill."""
+    def choice(self, can_correct: bool, needed: int = MIN_VERDICTS) -> str | None:
+        """The method to serve: at least `needed` verdicts kept and every one agrees, lowest mean
+        KL first; None: prefill."""
         passing = []
         for method in METHODS:
             kept = self.verdicts.get(method)
-            if (kept and len(kept) >= MIN_VERDICTS and all(v.agrees for v in kept)
+            if (kept and len(kept) >= needed and all(v.agrees for v in kept)
                     and (method != "corrected" or can_correct)):
                 passing.append((sum(v.kl for v in kept) / len(kept), METHODS.index(method), method))
         return min(passing)[2] if passing else None
@@ -116,10 +119,11 @@ class Verification:
         self.agreed: dict[str, int] = {m: 0 for m in METHODS}
         self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
 
-    def decide(self, edge: tuple, can_correct: bool) -> tuple[str | None, str | None]:
-        """(method, None) to reuse, or (None, "unverified"): no method agreed on the edge yet."""
+    def decide(self, edge: tuple, can_correct: bool, needed: int = MIN_VERDICTS) -> tuple[str | None, str | None]:
+        """(method, None) to reuse, or (None, "unverified"): no method agreed on the edge yet
+        (`needed` verdicts at least)."""
         record = self.edges.get(edge)
-        method = record.choice(can_correct) if record is not None else None
+        method = record.choice(can_correct, needed) if record is not None else None
         return (method, None) if method is not None else (None, "unverified")
 
     def audit_due(self, edge: tuple) -> bool:
