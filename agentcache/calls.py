@@ -1,6 +1,8 @@
 """One agent call between the runtime and the engine: its plan, and what it became.
 
-`plan_call` tokenizes a call, asks the strategy how to materialize it, and builds the engine
+`awaited_context` tokenizes a call and asks the strategy what shared context in flight it should
+wait for first (siblings' reference prefill). `plan_call` asks the strategy how to materialize
+the call, and builds the engine
 request, salted for the caller's tenant and lineage, into an immutable `CallPlan` (its `planned`
 part is what `correction.plan.Served.of` reads the engine's result back with). Nothing here knows
 which strategy runs, takes a lock, or keeps state: the runtime calls it under its lock, and the
@@ -10,6 +12,7 @@ self-check drives it directly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -19,7 +22,7 @@ from agentcache.errors import PlanError, SegmentError
 from agentcache.isolation import Scope, engine_session, lineage_salt, tenant_salt
 from agentcache.segments import AgentCall, Segment
 
-__all__ = ["CallPlan", "plan_call", "tokenize_call"]
+__all__ = ["CallPlan", "awaited_context", "plan_call", "tokenize_call"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,13 @@ def tokenize_call(engine: Engine, call: AgentCall) -> TokenizedCall:
             segments.insert(0, Segment(kind="pf", token_ids=(bos,)))
             ids.insert(0, [bos])
     return TokenizedCall(call.agent, Scope(call.tenant, call.session), tuple(segments), tuple(map(tuple, ids)))
+
+
+def awaited_context(engine: Engine, strategy: SharedContextStrategy, call: AgentCall) -> tuple[TokenizedCall, tuple[Future, ...]]:
+    """Tokenize `call` and ask `strategy` what shared context in flight (a reference prefill its
+    siblings share) the call should wait for before it is planned."""
+    tokenized = tokenize_call(engine, call)
+    return tokenized, strategy.awaited(tokenized)
 
 
 def plan_call(

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from agentcache.calls import CallPlan, plan_call, tokenize_call
+from agentcache.calls import CallPlan, awaited_context, plan_call
 from agentcache.config import RuntimeConfig
 from agentcache.correction import make_corrector
 from agentcache.correction.persist import AnchorFiles
@@ -170,8 +170,7 @@ class Runtime:
                 flight.locked_s = time.perf_counter() - flight.started  # waiting for other calls' planning or settling
                 if self.anchors is not None:
                     self.anchors.load(call.tenant)  # once per tenant
-                flight.tokenized = tokenize_call(self.engine, call)
-                flight.awaited = self.corrector.awaited(flight.tokenized)
+                flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, call)
         except BaseException:
             self._flying.discard(flight.ticket)
             raise

@@ -337,7 +337,7 @@ def agreement_pairs(name: str, flows: dict[str, list[Flow]]) -> dict[tuple, bool
 
 RUNTIME_KEYS = ("strategy", "anchors", "anchor_bytes", "anchor_dense_bytes", "anchors_evicted", "store_bytes",
                 "anchor_build_s", "reuse_ratio", "ph_decisions", "fallback_reasons", "decisions", "faults", "gate_tau")
-RUNTIME_KEY_PARTS = ("accept", "verif", "cost", "decision")  # the strategy's own figures, where it reports them
+RUNTIME_KEY_PARTS = ("accept", "verif", "cost", "decision", "sibling", "break_even", "not_worth")  # the strategy's own figures, where it reports them
 
 
 def runtime_figures(summary: dict[str, Any]) -> dict[str, Any]:

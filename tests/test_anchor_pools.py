@@ -90,6 +90,21 @@ def test_store_finds_the_same_content_only():
     assert store.find(S, "query", [1, 2, 3, 4, 5, 6], agent="a1") is None
 
 
+def test_store_prefers_the_first_exact_source_and_one_in_context_before_a_reference():
+    store = SegmentStore(byte_budget=2**30)
+    tokens = [1, 2, 3, 4, 5, 6]
+    exact = lambda: SegmentKV(_kv(6).keys, _kv(6).values, 0, exact_for=b"digest")  # noqa: E731
+    store.put(S, "query", "<reference>", tokens, exact(), "reference")
+    store.put(S, "query", "a0", tokens, exact(), "dense")
+    store.put(S, "query", "a1", tokens, exact(), "dense")
+    store.put(S, "query", "a2", tokens, _kv(6), "corrected")  # the newest, approximate
+    assert store.find(S, "query", tokens)[0].agent == "a2"  # chained: the newest
+    assert store.find(S, "query", tokens, prefer_exact=True)[0].agent == "a0"
+    store.remove(store.find(S, "query", tokens, agent="a0")[0].id)
+    store.remove(store.find(S, "query", tokens, agent="a1")[0].id)
+    assert store.find(S, "query", tokens, prefer_exact=True)[0].agent == "<reference>"
+
+
 def test_store_keeps_the_newest_materialization_and_its_budget():
     one = _kv(6).nbytes
     store = SegmentStore(byte_budget=2 * one)

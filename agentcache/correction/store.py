@@ -139,8 +139,8 @@ class SegmentStore:
         """The newest materialization (by when it was made) of `slot` in `scope` sharing the longest
         token prefix with `token_ids` (optionally only `agent`'s), and that prefix length; with
         `prefer_exact`, of those sharing the longest prefix the oldest exact one (made without
-        reused KV: the producer, whichever consumers happened to prefill it too) before any
-        approximate one.
+        reused KV: the producer, whichever consumers happened to prefill it too; one made in an
+        agent's context before a context-free reference) before any approximate one.
 
         Only the same content counts: the shared prefix must cover at least half of the segment
         (an agent output re-tokenized from its text may differ from the generated ids near the
@@ -151,8 +151,8 @@ class SegmentStore:
         k = 1 << (needed.bit_length() - 1)  # the largest power of two <= needed
 
         def rank(entry: Materialization, shared: int) -> tuple:
-            if prefer_exact and entry.exact:  # the first exact one: the same producer every run
-                return (shared, True, -entry.serial)
+            if prefer_exact and entry.exact:  # the first exact one: the same producer every run,
+                return (shared, True, entry.how != "reference", -entry.serial)  # in context before context-free
             return (shared, False, entry.serial)
 
         bucket = self._buckets.get((scope, slot, tuple(token_ids[:k])), {})
