@@ -21,6 +21,9 @@ Workloads (`--workloads`, comma-separated):
   about `--doc-tokens` tokens on the model's tokenizer) read by a reader; then 3 agents
   dispatched together (asyncio, `Runtime.arun`) read the document and the reader's notes; then a
   writer reads the document and all four notes. Consumers: the 4 agents after the reader.
+- `tool_fanout`: a tool result (a staff directory of about the first `--doc-tokens` tokens) new to
+  the session, read by the same 3 agents dispatched together with no reader before them (siblings
+  on a new segment), then the writer reading it and their notes. Consumers: the writer.
 - `cold_start`: a new runtime per strategy (fresh engine cache), its first 2 long_doc_1k
   workflows, all scored. When `long_doc_1k` runs too (with at least 2 workflows) these are its
   own first 2 workflows, which are exactly that (`derived_from` says so); otherwise it runs them.
@@ -51,7 +54,7 @@ self-check (as fidelity.py's quick run). Threads: `--threads` pins the engine's 
 (default: the engine's own choice, which follows OMP_NUM_THREADS).
 
     python benchmarks/economics.py [--quick] [--engine embedded|vllm] [--model gemma3-270m]
-        [--workloads swarm,group_chat,long_doc_1k,long_doc_3k,cold_start,warm_start] [--out PATH]
+        [--workloads swarm,group_chat,long_doc_1k,long_doc_3k,tool_fanout,cold_start,warm_start] [--out PATH]
 """
 
 from __future__ import annotations
@@ -88,12 +91,12 @@ from agentcache.tasks import document_problem, fact_problem, gsm8k_style_problem
 
 KVCMAS, NONSHARED = "kvcmas", "nonshared"
 STRATEGIES = (KVCMAS, NONSHARED)
-WORKLOADS = ("swarm", "group_chat", "long_doc_1k", "long_doc_3k", "cold_start", "warm_start")
+WORKLOADS = ("swarm", "group_chat", "long_doc_1k", "long_doc_3k", "tool_fanout", "cold_start", "warm_start")
 QUICK_WORKLOADS = ("swarm", "group_chat", "long_doc_1k", "cold_start", "warm_start")
 LONG_DOCS = {"long_doc_1k": 0, "long_doc_3k": 1}  # index into --doc-tokens
 COLD_WORKFLOWS = 2
 SEEDS = {"swarm": 1000, "group_chat": 2000, "long_doc_1k": 3000, "long_doc_3k": 4000, "cold_start": 5000,
-         "warm_start": 6000}
+         "warm_start": 6000, "tool_fanout": 7000}
 AIMS = {  # the issue's aims: key -> (comparison, bound)
     "worst_ttft_ratio": ("<=", 1.02),
     "worst_wall_ratio": ("<=", 1.05),
@@ -218,6 +221,26 @@ async def long_doc_flow(rt: Runtime, seed: int, session: str, sampling: Sampling
     return turns
 
 
+async def tool_fanout_flow(rt: Runtime, seed: int, session: str, sampling: SamplingParams,
+                           people: int) -> list[Turn]:
+    problem = document_problem(seed, people=people)
+    result = Segment.ph("tool_result", problem.text)
+
+    async def review(name: str) -> Turn:
+        call = AgentCall(agent=name, session=session, segments=(
+            Segment.pf(DOC_SYSTEM[name]), result, Segment.pf(f"\n\nQuestion: {problem.subject}\nThe {name} writes:")))
+        return Turn(name, False, await rt.arun(call, sampling))
+
+    turns = list(await asyncio.gather(*(review(name) for name in REVIEWERS)))  # siblings: dispatched together
+    segments = [Segment.pf(DOC_SYSTEM[WRITER]), result]
+    for name in REVIEWERS:
+        segments += [Segment.pf(f"\n\nThe {name} wrote:"), _output(rt, name, session)]
+    call = AgentCall(agent=WRITER, session=session,
+                     segments=(*segments, Segment.pf(f"\n\nFinal answer: {problem.subject}")))
+    turns.append(Turn(WRITER, True, await rt.arun(call, sampling)))
+    return turns
+
+
 def run_flow(flow: Callable[..., Awaitable[list[Turn]]], rt: Runtime, index: int, *args: Any) -> Flow:
     """One workflow on its own event loop; its wall time from the first call entering to the last returning."""
     async def timed() -> Flow:
@@ -261,6 +284,8 @@ def flow_of(name: str, setup: Setup) -> tuple[Callable[..., Awaitable[list[Turn]
         return swarm_flow, ()
     if name == "group_chat":
         return group_chat_flow, (setup.args.rounds,)
+    if name == "tool_fanout":
+        return tool_fanout_flow, (setup.people["long_doc_1k"],)
     doc = name if name in LONG_DOCS else "long_doc_1k"
     return long_doc_flow, (setup.people[doc],)
 
@@ -387,11 +412,11 @@ def shared_tokens(flows: list[Flow], slot: str) -> float | None:
 def warm_workload(name: str, setup: Setup) -> tuple[dict, dict, dict[str, list[Flow]]]:
     workflows = setup.args.workflows
     flows, summaries = interleaved(name, setup, workflows, setup.args.seed + SEEDS[name])
-    slot = {"swarm": "query", "group_chat": "topic"}.get(name, "document")
+    slot = {"swarm": "query", "group_chat": "topic", "tool_fanout": "tool_result"}.get(name, "document")
     extra = {"shared_tokens_mean": shared_tokens(flows[NONSHARED], slot)}
-    if name in LONG_DOCS:
-        extra["people"] = setup.people[name]
-        extra["target_document_tokens"] = setup.args.doc_tokens[LONG_DOCS[name]]
+    if name in LONG_DOCS or name == "tool_fanout":
+        extra["people"] = setup.people.get(name, setup.people["long_doc_1k"])
+        extra["target_document_tokens"] = setup.args.doc_tokens[LONG_DOCS.get(name, 0)]
     if name == "group_chat":
         extra["rounds"] = setup.args.rounds
     report, pairs = score(name, flows, range(setup.args.warmup, workflows), summaries[KVCMAS], **extra)
@@ -473,7 +498,7 @@ def run(args: argparse.Namespace) -> dict:
     setup = Setup(base, check, config, SamplingParams(max_tokens=args.out_tokens, ignore_eos=True), args)
     chosen = args.workloads
     for name, position in LONG_DOCS.items():
-        if name in chosen or (name == "long_doc_1k" and {"cold_start", "warm_start"} & set(chosen)):
+        if name in chosen or (name == "long_doc_1k" and {"cold_start", "warm_start", "tool_fanout"} & set(chosen)):
             setup.people[name] = people_for(base, args.doc_tokens[position])
 
     workloads: dict[str, dict] = {}

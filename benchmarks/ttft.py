@@ -14,6 +14,9 @@ gate entropies of random weights mean nothing (fidelity.py measures the gate on 
 - `chained_vs_nonchained_ttft_ratio` = mean TTFT over all four calls of KVCMAS / of
   KVCMAS-nonchained at the longest context: the non-chained variant prefills a context-free
   reference of new content before its first correction, on the first call's critical path.
+- End to end, per strategy and setting: `workflow_wall_s`, the mean wall time of a round's four
+  calls (anchor building included), and `prefill_tokens_per_call`, the mean prefill work of a
+  timed call in full-forward tokens; the top level gives both at the longest context.
 
 TTFT is measured from entering the runtime to the first token (correction included; anchor
 construction after a fallback happens after the first token and is not). `--quick` runs one
@@ -74,11 +77,13 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
     timed = defaultdict(list)  # strategy -> results of timed calls
     hops = defaultdict(list)  # strategy -> results of reuse-hop calls
     whole = defaultdict(list)  # strategy -> TTFTs of all four calls
+    walls = defaultdict(list)  # strategy -> wall time of each timed round's four calls
     for index in range(warmup + rounds):
         warm = index < warmup
         context = context_ids(engine, length, seed=length * 1000 + index)
         turn = order[index % len(order):] + order[: index % len(order)]
         for name in turn:
+            began = time.perf_counter()
             for position, (agent, system) in enumerate(AGENTS.items()):
                 call = AgentCall(agent=agent, segments=(
                     Segment.pf(system), Segment(kind="ph", slot="context", token_ids=tuple(context)),
@@ -89,6 +94,8 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
                     whole[name].append(result.ttft_s)
                     if position > 0:
                         hops[name].append(result)
+            if not warm:
+                walls[name].append(time.perf_counter() - began)
     rows = {}
     for name in order:
         figures = summarize(timed[name])
@@ -99,6 +106,8 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
                                                       for r in hops[name]),
             "workflow_ttft_s": statistics.fmean(whole[name]),
             "workflow_total_s": statistics.fmean(r.total_s for r in timed[name]),  # anchor building included
+            "workflow_wall_s": statistics.fmean(walls[name]),
+            "prefill_tokens_per_call": statistics.fmean(r.prefill_tokens for r in timed[name]),
             "reuse_ratio": figures["reuse_ratio"],
             "fallback_reasons": figures["fallback_reasons"],
             "anchor_build_s": runtimes[name].corrector.anchor_build_s,
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                                             for name in order},
         "chained_vs_nonchained_ttft_ratio": longest["chained_vs_nonchained_ttft_ratio"],
         "reuse_ratio": {name: longest[name]["reuse_ratio"] for name in order},
+        "workflow_wall_s": {name: longest[name]["workflow_wall_s"] for name in order},
+        "prefill_tokens_per_call": {name: longest[name]["prefill_tokens_per_call"] for name in order},
         "settings": results,
         "wall_s": round(time.perf_counter() - started, 1),
     }))

@@ -19,11 +19,14 @@ def test_demo_runs_the_swarm_and_writes_a_report(tmp_path, capsys):
     assert set(rows) == {"kvcmas", "nonshared", "fullshared"}
     for row in rows.values():
         assert row["calls"] == 2 * 4  # three experts and the decision agent per problem
-        assert {"accuracy", "agree", "ttft_mean_s", "reuse_ratio", "hit_rate", "decision_ttft_s"} <= row.keys()
+        assert {"accuracy", "agree", "ttft_mean_s", "reuse_ratio", "hit_rate", "decision_ttft_s",
+                "wall_s_per_problem", "wall_vs_baseline"} <= row.keys()
+        assert row["prefill_tokens_per_problem"] > 0
         assert set(row["per_agent_ttft_s"]) == set(row["per_agent_service_s"]) == {"math_solver", "math_analyst", "programmer", "decision"}
         assert all(row["per_agent_service_s"][a] <= row["per_agent_ttft_s"][a] for a in row["per_agent_ttft_s"])
     assert rows["nonshared"]["reuse_ratio"] == 0 and rows["fullshared"]["reuse_ratio"] > 0.5
     assert rows["kvcmas"]["ttft_vs_baseline"] > 0 and rows["nonshared"]["agree"] == 1.0
+    assert rows["nonshared"]["wall_vs_baseline"] == 1.0
     out = capsys.readouterr().out
     assert "reuse ratio" in out and "kvcmas" in out and "demo_gsm8k_swarm.png" in out
 
@@ -239,6 +242,8 @@ def test_ttft_bench_quick_reports_speedups():
     assert result["speedup_vs_nonshared"]["nonshared"] == 1.0
     assert result["speedup_vs_nonshared"]["kvcmas"] > 1.0
     assert result["chained_vs_nonchained_ttft_ratio"] > 0
+    assert set(result["workflow_wall_s"]) == set(result["prefill_tokens_per_call"]) == set(result["speedup_vs_nonshared"])
+    assert result["prefill_tokens_per_call"]["kvcmas"] < result["prefill_tokens_per_call"]["nonshared"]
 
 
 def test_hit_rate_bench_quick_reports_every_topology_and_policy():

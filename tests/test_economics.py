@@ -15,8 +15,8 @@ from agentcache.correction import verification as verification_module
 from agentcache.correction.costs import PRIOR_BREAK_EVEN, Continuations, CostModel, OnlineLine
 from agentcache.correction.persist import pools_path
 from agentcache.correction.strategies import STRATEGIES
-from agentcache.correction.verification import (CONTEXT_FREE_VERDICTS, FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord,
-                                                Verdict, Verification, compare_outputs)
+from agentcache.correction.verification import (FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord, Verdict,
+                                                Verification, compare_outputs)
 from agentcache.engine import SamplingParams
 from agentcache.errors import InputError
 from agentcache.idle import IdleWorker, Lesson
@@ -153,14 +153,16 @@ def test_an_agent_that_extends_its_own_prompt_keeps_its_prefix_cache_instead_of_
     assert rt.corrector.costs.continuations.share(None, "guest", follow_up=False) > 0.9
 
 
-def test_siblings_on_a_new_segment_share_one_reference_prefill_once_its_edges_are_verified(monkeypatch):
-    """Three agents dispatched together on a query new to their session: each prefills it until
-    shadow runs of its reference prefill agreed CONTEXT_FREE_VERDICTS times on every edge; then
-    the siblings wait for one reference prefill (with no lock held) and each reuse it."""
+def test_siblings_on_a_new_segment_share_their_leaders_prefill_once_its_edges_are_verified(monkeypatch):
+    """Three agents dispatched together on a query new to their session: each prefills it until a
+    shadow run verified reusing the first reader's (the leader's) KV of it for the others; then the
+    leader's prompt is prefilled through the query once, before any of them is planned (they wait
+    with no lock held), the leader is served it as a prefix hit, and the others reuse it."""
     monkeypatch.setattr(replays, "compare_outputs", _always_agrees)  # random weights: fidelity is tested on Gemma
-    rt = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy="kvcmas", config=DETERMINISTIC)
+    siblings = STRATEGIES["kvcmas"].replace(siblings=True)
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy=siblings, config=DETERMINISTIC)
     read = []
-    for k in range(CONTEXT_FREE_VERDICTS + 2):
+    for k in range(3):
         query = long_query(rt, seed=k)
 
         async def siblings():
@@ -169,14 +171,25 @@ def test_siblings_on_a_new_segment_share_one_reference_prefill_once_its_edges_ar
                 for agent in ROLES))
 
         read.append([next(s for s in r.segments if s.kind == "ph") for r in asyncio.run(siblings())])
-    # each workflow's dense reads verify the edges, from the first one on (its siblings are planned
-    # after all three entered the runtime)
-    for workflow in read[:CONTEXT_FREE_VERDICTS]:
-        assert [s.decision for s in workflow] == ["first"] * 3
-    for workflow in read[CONTEXT_FREE_VERDICTS:]:
-        assert [(s.decision, s.source, s.computed_tokens) for s in workflow] == [("reused", "<reference>", 0)] * 3
+    assert [s.decision for s in read[0]] == ["first"] * 3  # the first workflow's reads verify the edges
+    for workflow in read[1:]:
+        leader, *others = workflow
+        # its own prefill: served from the prefix cache but the block the prefix cache does not keep
+        assert (leader.decision, leader.reason) == ("fallback", "own_prefill") and leader.computed_tokens < 16
+        assert [(s.decision, s.source, s.computed_tokens) for s in others] == [("reused", "planner", 0)] * 2
     figures = rt.summary()
-    assert figures["sibling_references"] == 2 and figures["faults"] == {}
+    assert figures["sibling_prefills"] == 2 and figures["faults"] == {}
+    default = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy="kvcmas", config=DETERMINISTIC)
+    for k in range(2):  # off by default: every sibling prefills the new segment
+        query = long_query(default, seed=k)
+
+        async def unshared():
+            return await asyncio.gather(*(default.arun(AgentCall(agent=agent, session=f"s{k}", segments=(
+                Segment.pf(ROLES[agent]), Segment.ph("query", query), Segment.pf("\nNotes:"))), THREE)
+                for agent in ROLES))
+
+        assert [next(s for s in r.segments if s.kind == "ph").decision for r in asyncio.run(unshared())] == ["first"] * 3
+    assert default.summary()["sibling_prefills"] == 0
 
 
 def _always_agrees(method, dense_logits, dense_tokens, shadow_logits, shadow_tokens):

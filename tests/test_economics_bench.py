@@ -18,7 +18,8 @@ TOP_KEYS = {"worst_ttft_ratio", "worst_wall_ratio", "long_context_consumer_ttft_
             "machine", "workloads", "elapsed_s", "aims", "aims_met", "sizes"}
 RATIOS = ("worst_ttft_ratio", "worst_wall_ratio", "long_context_consumer_ttft_ratio", "long_context_wall_ratio",
           "warm_start_first_workflow_ttft_ratio", "anchor_bytes_per_kv_byte")
-CALLS_PER_WORKFLOW = {"swarm": 4, "group_chat": 8, "long_doc_1k": 5, "long_doc_3k": 5, "cold_start": 5, "warm_start": 5}
+CALLS_PER_WORKFLOW = {"swarm": 4, "group_chat": 8, "long_doc_1k": 5, "long_doc_3k": 5, "tool_fanout": 4, "cold_start": 5,
+                      "warm_start": 5}
 TINY = ["--quick", "--model", "tiny-llama", "--doc-tokens", "64,128", "--workflows", "2", "--warm-workflows", "2",
         "--out-tokens", "2"]
 
@@ -105,9 +106,9 @@ def test_economics_quick_reports_every_workload_consistently(economics, capsys, 
 
 
 def test_economics_runs_chosen_workloads_and_refuses_unknown_ones(economics, capsys):
-    result = economics.main([*TINY, "--workloads", "long_doc_3k,cold_start"])
+    result = economics.main([*TINY, "--workloads", "tool_fanout,long_doc_3k,cold_start"])
     capsys.readouterr()
-    assert list(result["workloads"]) == ["long_doc_3k", "cold_start"]
+    assert list(result["workloads"]) == ["long_doc_3k", "tool_fanout", "cold_start"]
     assert result["long_context_workload"] == "long_doc_3k"
     assert result["workloads"]["cold_start"].get("derived_from") is None  # no long_doc_1k to take it from
     assert result["warm_start_first_workflow_ttft_ratio"] is None

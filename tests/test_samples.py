@@ -23,6 +23,8 @@ def test_travel_planner_compares_every_hop_with_nonshared(tmp_path):
     assert "query=" in summary_hop["decisions"] and "out:Planner=" in summary_hop["decisions"]
     rows = {row["strategy"]: row for row in report["strategies"]}
     assert rows["nonshared"]["reuse_ratio"] == 0 and rows["kvcmas"]["calls"] == rows["nonshared"]["calls"]
+    assert rows["nonshared"]["wall_vs_baseline"] == 1.0 and rows["kvcmas"]["workflow_wall_s"] > 0
+    assert rows["kvcmas"]["prefill_tokens_per_workflow"] > 0
     assert [source for source, _ in report["transcript"]][0] == "user"
     print_report(report)  # the printed table must render from the report
 

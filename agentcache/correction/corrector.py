@@ -39,7 +39,7 @@ from agentcache.correction.sources import SourceFinder
 from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.correction.strategies import Strategy
 from agentcache.correction.replays import REPLAY_PRIORITY, dense_replay, exact_reference, shadow_run
-from agentcache.correction.siblings import SiblingReads, content_of, study_source
+from agentcache.correction.siblings import Leader, SiblingReads, content_of, study_source
 from agentcache.correction.sources import REFERENCE
 from agentcache.correction.verification import CONTEXT_FREE_VERDICTS, MIN_VERDICTS, Verdict, Verification
 from agentcache.engine.kv import SegmentKV
@@ -67,8 +67,10 @@ class UsedAnchors:
 
 @dataclass(frozen=True)
 class SiblingRead:
-    """A `first` decision's detail: siblings read the segment, and the edge from its reference
-    prefill to this agent waits for verification (learned from this call when idle)."""
+    """A `first` decision's detail: siblings read the segment, and the edge from their leader to
+    this agent waits for verification (learned from this call when idle)."""
+
+    leader: Leader
 
 
 @dataclass(frozen=True)
@@ -135,39 +137,53 @@ class Corrector(SharedContextStrategy):
                     continue
                 if decision.reused:  # the prefix cache already serves what the source covers
                     decision = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
-                elif decision.decision == "first" and self._siblings_apply(call.scope, seg.slot, tokens):
-                    decision = replace(decision, detail=SiblingRead())
+                elif decision.decision == "first":
+                    leader = self._siblings_leader(call.scope, seg.slot, tokens)
+                    if leader is not None and leader.agent != call.agent:
+                        decision = replace(decision, detail=SiblingRead(leader))
                 decisions[index] = decision
             pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX,
                                                    capture=capture_all or seg.kind == "ph")))
         return Planned(tuple(pieces), MappingProxyType(decisions))
 
     def awaited(self, call: TokenizedCall) -> tuple[Future, ...]:
-        """Reference prefills `call` should wait for before it is planned (`siblings`): for each
-        shared segment new to its session that siblings read, once raw reuse of its reference
-        prefill is verified for this agent and the segment is worth reuse."""
+        """Leader prefills `call` should wait for before it is planned (`siblings`): for each shared
+        segment new to its session that siblings read and that is worth reuse, the leader's prompt
+        prefilled through the segment, once reuse from it is verified for this sibling (for the
+        leader: for any sibling)."""
         waits = []
         for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
-            if not (seg.kind == "ph" and self._siblings_apply(call.scope, seg.slot, tokens, reading=True)):
+            if seg.kind != "ph":
                 continue
-            after = len(call.prompt) - call.starts[index + 1]
-            edge = _edge_of(call.scope.tenant, seg.slot, REFERENCE, True, call.agent, after)
-            if self.verification.decide(edge, can_correct=False, needed=CONTEXT_FREE_VERDICTS)[0] == "raw":
-                future = self.siblings.reference(self.engine, content_of(call.scope, seg.slot, tokens))
+            reader = Leader(call.agent, call.prompt[:call.starts[index]])
+            leader = self._siblings_leader(call.scope, seg.slot, tokens, reader)
+            if leader is None:
+                continue
+            tenant = call.scope.tenant
+            if leader.agent == call.agent:
+                verified = self.verification.serves_from(tenant, seg.slot, leader.agent)
+            else:
+                edge = _edge_of(tenant, seg.slot, leader.agent, True, call.agent, len(call.prompt) - call.starts[index + 1])
+                candidates = self.bank.candidates((tenant, seg.slot), leader.agent, call.agent)
+                verified = self.verification.decide(edge, can_correct=bool(candidates))[0] is not None
+            if verified:
+                future = self.siblings.prefill(self.engine, content_of(call.scope, seg.slot, tokens), leader)
                 if not future.done():
                     waits.append(future)
         return tuple(waits)
 
-    def _siblings_apply(self, scope: Scope, slot: str, tokens: Sequence[int], reading: bool = False) -> bool:
-        """Whether this segment is new to the session (no source) and read by siblings, for a
-        strategy that verifies reuse (`reading`: a call reads it now, counted once per call)."""
-        if not (self.verified and self.strategy.chained and self.costs is not None
+    def _siblings_leader(self, scope: Scope, slot: str, tokens: Sequence[int],
+                         reader: Leader | None = None) -> Leader | None:
+        """The leader of this segment's siblings when it is new to the session (no source), read by
+        siblings and worth reuse, for a strategy that verifies reuse (`reader`: a call reads it
+        now, counted once per call)."""
+        if not (self.strategy.siblings and self.verified and self.strategy.chained and self.costs is not None
                 and self.engine.supports_realignment and self.costs.worth(len(tokens))):
-            return False
+            return None
         if self.sources.find(scope, slot, tokens, None) is not None:
-            return False
+            return None
         content = content_of(scope, slot, tokens)
-        return self.siblings.read(content) if reading else self.siblings.is_sibling_read(content)
+        return self.siblings.read(content, reader) if reader is not None else self.siblings.leader(content)
 
     def _kept_for_next_call(self, call: TokenizedCall) -> int:
         """How many of this prompt's tokens the agent's next call in the session is expected to find
@@ -259,21 +275,24 @@ class Corrector(SharedContextStrategy):
         return lessons
 
     def _sibling_lessons(self, served: Served) -> list[Lesson]:
-        """A sibling's dense read of a new segment teaches whether raw reuse of the segment's
-        reference prefill gives the same output: the reference is prefilled and shadow-run when idle."""
+        """A sibling's dense read of a new segment teaches whether reusing its leader's KV of the
+        segment gives the same output: the leader's prefill is rebuilt (mostly from the prefix
+        cache) and shadow-run when idle."""
         lessons = []
         for index, seg, tokens, decision, _, kv in served.shared():
             if not (isinstance(decision.detail, SiblingRead) and kv is not None and kv.exact):
                 continue
-            scope, agent = served.call.scope, served.call.agent
-            edge = _edge_of(scope.tenant, seg.slot, REFERENCE, True, agent, _after(served, index))
+            scope, agent, leader = served.call.scope, served.call.agent, decision.detail.leader
+            edge = _edge_of(scope.tenant, seg.slot, leader.agent, True, agent, _after(served, index))
             content = content_of(scope, seg.slot, tokens)
 
-            def study(index=index, tokens=tokens, decision=decision, kv=kv, edge=edge, content=content):
-                source = study_source(self.engine, content, REPLAY_PRIORITY)
-                return self._study(served, index, tokens, replace(decision, source=source), kv, (), edge)
+            def study(index=index, tokens=tokens, decision=decision, kv=kv, edge=edge, content=content,
+                      leader=leader):
+                source = study_source(self.engine, content, leader, REPLAY_PRIORITY)
+                candidates = tuple(self.bank.candidates(edge[:2], edge[2], edge[3]))
+                return self._study(served, index, tokens, replace(decision, source=source), kv, candidates, edge)
 
-            lessons.append(Lesson(f"{seg.slot} {REFERENCE}->{agent}", study,
+            lessons.append(Lesson(f"{seg.slot} {leader.agent}->{agent} (siblings)", study,
                                   lambda studied, edge=edge: self._learn(edge, studied)))
         return lessons
 
@@ -440,6 +459,8 @@ class Corrector(SharedContextStrategy):
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
+        if source.agent == agent and source.how == "dense":  # its own prefill (a siblings' leader): a prefix hit
+            return PHDecision("fallback", reason="own_prefill")
         if not self.engine.supports_realignment:
             return PHDecision("fallback", reason="not_realignable", source=source)
         method, refusal = self._accepts(scope, agent, slot, source, after)  # bookkeeping only: before any tensor work

@@ -60,8 +60,8 @@ class SourceFinder:
 
 def reference_request(engine: Engine, scope: Scope, slot: str, token_ids: Sequence[int],
                       lead_in: Sequence[int] | None = None, priority: int = 0) -> ExecRequest:
-    """A context-free reference prefill of a segment: `lead_in` (BOS and a neutral newline by
-    default), then the segment, whose KV is the result's second segment. The runtime's own request
+    """A prefill of a segment after `lead_in` (by default BOS and a neutral newline: a context-free
+    reference), whose KV is the result's second segment. The runtime's own request
     (no agent dispatch, no hit in the statistics), cached in the scope's tenant namespace only."""
     lead = list(lead_in) if lead_in else engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
     return ExecRequest(

@@ -37,8 +37,9 @@ WINDOW = 3  # verdicts kept per edge and method
 # agreeing verdicts before a method is served: 2 halved long-document reuse over 5 workflows
 # (consumer TTFT 0.37x NonShared's against 0.11x) and left greedy agreement where it was (0.958)
 MIN_VERDICTS = 1
-# a context-free source (a reference prefill siblings share) is further from every consumer's
-# context: raw reuse of it changed 40% of a Gemma swarm's answers with one verdict per edge
+# a context-free source (a reference prefill) is further from every consumer's context than one
+# made in an agent's: served as siblings' source with one verdict per edge, it changed 40% of a
+# Gemma swarm's answers
 CONTEXT_FREE_VERDICTS = WINDOW
 FIRST_AUDIT_GAP = 2
 MAX_AUDIT_GAP = 16  # at most one eligible call in 16 prefilled densely to re-verify a served method
@@ -125,6 +126,11 @@ class Verification:
         record = self.edges.get(edge)
         method = record.choice(can_correct, needed) if record is not None else None
         return (method, None) if method is not None else (None, "unverified")
+
+    def serves_from(self, tenant: str | None, slot: str, source_agent: str) -> bool:
+        """Whether some edge from `source_agent`'s exact materialization of `slot` serves reuse."""
+        return any(edge[:3] == (tenant, slot, source_agent) and edge[4] and record.choice(can_correct=True)
+                   for edge, record in self.edges.items())
 
     def audit_due(self, edge: tuple) -> bool:
         """Count one reused call on the edge; True when it is to be audited."""

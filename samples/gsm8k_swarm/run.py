@@ -1,5 +1,6 @@
 """Run the GSM8K swarm on a batch of generated problems under several strategies, interleaved,
-and report accuracy, TTFT and reuse for each (the `agentcache demo`)."""
+and report accuracy, TTFT, wall time and prefill work per problem against NonShared, and reuse,
+for each (the `agentcache demo --sample gsm8k_swarm`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ COLUMNS = (
     ("decision_ttft_s", "decision TTFT s", ".3f"),
     ("decision_vs_baseline", "vs nonshared", ".2f"),
     ("wall_s_per_problem", "wall s per problem", ".2f"),
+    ("wall_vs_baseline", "vs nonshared", ".2f"),
+    ("prefill_tokens_per_problem", "prefill tokens/problem", ".0f"),
     ("reuse_ratio", "reuse ratio", ".2f"),
     ("hit_rate", "hit rate", ".2f"),
 )
@@ -82,6 +85,7 @@ def run_batch(
     bar.close()
 
     truth = [p.answer for p in batch]
+    base_wall = sum(walls[BASELINE])
     rows = []
     for name in strategies:
         runtime = runs.runtimes[name]
@@ -92,6 +96,8 @@ def run_batch(
         row["decision_ttft_s"] = sum(r.ttft_s for r in decision) / len(decision)
         row["decision_vs_baseline"] = row["decision_ttft_s"] / (sum(r.ttft_s for r in base_decision) / len(base_decision))
         row["wall_s_per_problem"] = sum(walls[name]) / len(walls[name])
+        row["wall_vs_baseline"] = sum(walls[name]) / base_wall if base_wall else None
+        row["prefill_tokens_per_problem"] = sum(r.prefill_tokens for r in calls[name]) / len(batch)
         row["per_agent_ttft_s"] = agent_means(calls[name], list(_AGENT_ORDER), queued=True)
         row["per_agent_service_s"] = agent_means(calls[name], list(_AGENT_ORDER))
         row.update(runtime_figures(runtime))

@@ -1,5 +1,6 @@
 """Travel planner: an AutoGen SelectorGroupChat (planner, local guide, language and summary agents)
-on the default model (embedded engine, or `--engine vllm`), run under KVCMAS and under NonShared, and compared hop by hop.
+on the default model (embedded engine, or `--engine vllm`), run under KVCMAS and under NonShared, and
+compared hop by hop and over all trips: mean TTFT, the wall time and the prefill work of a trip's workflow.
 
 The selector is the model itself (an agent of its own, `selector`) where there is a choice: who
 opens. A candidate function then keeps each agent to one turn and the summary agent last, so a
@@ -91,7 +92,8 @@ def run_trips(
     progress: bool = True,
     engine: str = "embedded",
 ) -> dict[str, Any]:
-    """Each trip runs once per strategy (rotated); the last trip's hops are compared one by one."""
+    """Each trip runs once per strategy (rotated); the last trip's hops are compared one by one, and
+    each strategy's calls over all trips give its row, with the mean wall time and prefill work of a trip."""
     from tqdm import tqdm
 
     if BASELINE not in strategies:
@@ -100,6 +102,7 @@ def run_trips(
     started = time.perf_counter()
     runs = StrategyRuns(model, strategies, progress, engine=engine)
     calls: dict[str, list[list[CallResult]]] = {s: [] for s in strategies}
+    walls: dict[str, list[float]] = {s: [] for s in strategies}  # each trip's workflow wall time
     transcripts: dict[str, list[tuple[str, str]]] = {}
     bar = tqdm(total=trips * len(strategies), desc="travel planner", unit="run", disable=not progress)
     for index, task in enumerate(TRIPS[:trips]):
@@ -109,7 +112,9 @@ def run_trips(
             agent_client = AgentCacheChatCompletionClient(runtime, max_tokens=agent_tokens)
             selector_client = AgentCacheChatCompletionClient(runtime, max_tokens=8)
             before = len(runtime.results)
+            began = time.perf_counter()
             result = asyncio.run(build_team(agent_client, selector_client).run(task=task))
+            walls[name].append(time.perf_counter() - began)
             calls[name].append(runtime.results[before:])
             transcripts[name] = [(m.source, m.content) for m in result.messages]
             bar.update(1)
@@ -125,10 +130,15 @@ def run_trips(
                      "cached_tokens": mine.cached_tokens, "reused_tokens": mine.reused_tokens,
                      "decisions": " ".join(f"{s.name}={s.decision}" for s in mine.segments if s.kind == "ph")})
     flat = {name: [r for run in calls[name] for r in run] for name in strategies}
+    base_wall = sum(walls[baseline])
     rows = []
     for name in strategies:
         paired = flat[baseline] if name != baseline and _same_agents(flat[name], flat[baseline]) else None
-        rows.append({"strategy": name, **figures(flat[name], paired), "refusal": runs.runtimes[name].refusal})
+        rows.append({"strategy": name, **figures(flat[name], paired),
+                     "workflow_wall_s": sum(walls[name]) / len(walls[name]),
+                     "wall_vs_baseline": sum(walls[name]) / base_wall if base_wall else None,
+                     "prefill_tokens_per_workflow": sum(r.prefill_tokens for r in flat[name]) / len(walls[name]),
+                     "refusal": runs.runtimes[name].refusal})
     return {
         "model": model, "engine": engine, "trips": trips, "agent_tokens": agent_tokens, "total_s": time.perf_counter() - started,
         "same_hops": _same_agents(last[main_strategy], last[baseline]), "hops": hops, "strategies": rows,
@@ -144,7 +154,9 @@ HOP_COLUMNS = (("hop", "hop", ""), ("agent", "agent", ""), ("prompt_tokens", "pr
                ("ttft_s", "TTFT s", ".3f"), ("baseline_ttft_s", "nonshared s", ".3f"), ("ratio", "ratio", ".2f"),
                ("cached_tokens", "cached", ""), ("reused_tokens", "reused", ""), ("decisions", "shared segments", ""))
 SUMMARY_COLUMNS = (("strategy", "strategy", ""), ("calls", "calls", ""), ("ttft_mean_s", "mean TTFT s", ".3f"),
-                   ("ttft_vs_baseline", "vs nonshared", ".2f"), ("reuse_ratio", "reuse ratio", ".2f"),
+                   ("ttft_vs_baseline", "vs nonshared", ".2f"), ("workflow_wall_s", "wall s per trip", ".2f"),
+                   ("wall_vs_baseline", "vs nonshared", ".2f"),
+                   ("prefill_tokens_per_workflow", "prefill tokens/trip", ".0f"), ("reuse_ratio", "reuse ratio", ".2f"),
                    ("hit_rate", "hit rate", ".2f"))
 
 
