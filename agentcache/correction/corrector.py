@@ -151,9 +151,9 @@ class Corrector(SharedContextStrategy):
         segment new to its session that siblings read and that is worth reuse, the leader's prompt
         prefilled through the segment, once reuse from it is verified for this sibling (for the
         leader: for any sibling)."""
-        waits: list[Future] = []
         if not self.strategy.siblings:
             return ()
+        waits: list[Future] = []
         for index, (seg, tokens) in enumerate(zip(call.segments, call.token_lists)):
             if seg.kind != "ph":
                 continue
