@@ -29,15 +29,29 @@ never becomes a control token), the frames PF and each message's text PH as abov
     <|im_start|>assistant\n                                the cue
 
 The turn ends with the model's end-of-turn token, an EOS the engine stops at.
+
+A model whose chat template can call tools (`ChatML.tool_format`) gets its tools, tool results and
+its own tool calls rendered by that template, the frames PF and the texts PH as before:
+
+    <|im_start|>system\n{system}{the template's tool section}<|im_end|>\n      PF (the agent's own)
+    <|im_start|>user\n<tool_response>\n {result} \n</tool_response>...        PH "tool:<name>" per result
+    <|im_start|>assistant\n {its text and <tool_call> blocks} <|im_end|>\n     PH "out:<self>"
+
+Each frame is cut from the template's own rendering of a conversation whose texts are stand-ins,
+so the layout is token for token what `apply_chat_template` gives (tests/test_tool_calls.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
+from agentcache.errors import InputError
 from agentcache.segments import AgentCall, Segment, output_slot
+from agentcache.toolcalls import ToolCall, ToolFormat, function_tools
 
 __all__ = ["ChatTurn", "ChatML", "build_call", "chat_format", "split_known", "stop_strings", "TRANSCRIPT_STOP",
            "UnsupportedMessageError"]
@@ -55,6 +69,7 @@ class ChatTurn:
     role: Literal["user", "agent", "tool"]
     source: str  # "user", the agent that wrote it, or the tool's name
     text: str
+    calls: tuple[ToolCall, ...] = ()  # an agent's tool calls, after its text
 
     @property
     def slot(self) -> str:
@@ -76,6 +91,48 @@ class ChatML:
     start_id: int  # <|im_start|>
     end_id: int  # <|im_end|>
     encode: Callable[[str], list[int]]
+    template: str | None = None  # the model's chat template (its Jinja source)
+    tool_format: ToolFormat | None = None  # how the template renders tool calls; None: it cannot
+
+    def frame(self, text: str) -> list[int]:
+        """Ids of template-written text: its control-token spellings as control ids, the rest literal.
+        Only text the template wrote goes here, never a message's."""
+        ids: list[int] = []
+        for piece in _CONTROL_SPLIT.split(text):
+            if piece == _START:
+                ids.append(self.start_id)
+            elif piece == _END:
+                ids.append(self.end_id)
+            elif piece:
+                ids.extend(self.encode(piece))
+        return ids
+
+    def system_with_tools(self, system: str, tools: Sequence[Mapping[str, Any]]) -> list["Segment"]:
+        """The system turn with the template's tool section, as PF segments (the agent's own)."""
+        shaped = function_tools(tools)
+        written = json.dumps(shaped, ensure_ascii=False)
+        if _START in written or _END in written:
+            raise InputError("a tool schema spells a ChatML control token (<|im_start|> or <|im_end|>); "
+                             "tool schemas are text and cannot hold one")
+        before, after = _system_frames(self.template, json.dumps(shaped), bool(system))
+        # One literal run from the last control token before the system text to the first after it,
+        # tokenized whole as the template's own tokenization does ("." and "\n\n" may join).
+        *lead, opening = _CONTROL_SPLIT.split(before)
+        closing, *trail = _CONTROL_SPLIT.split(after)
+        ids = [*self.frame("".join(lead)), *self.encode(opening + system + closing), *self.frame("".join(trail))]
+        return [_ids(ids)]
+
+    def frame_segments(self, text: str) -> list["Segment"]:
+        """`frame(text)` as a PF segment; none for an empty frame."""
+        return [_ids(self.frame(text))] if text else []
+
+    def tool_frames(self) -> tuple[str, str, str]:
+        """(before the first result, between two results, after the last) of a run of tool results."""
+        return _tool_frames(self.template)
+
+    def assistant_text(self, text: str, calls: Sequence[ToolCall]) -> str:
+        """An assistant turn's text with its tool calls, as the template writes it."""
+        return _assistant_text(self.template, text, tuple((c.name, c.arguments_json) for c in calls))
 
     def opener(self, role: str, label: str = "") -> list[int]:
         return [self.start_id, *self.encode(f"{role}\n{label}")]
@@ -101,7 +158,80 @@ def chat_format(engine: Any) -> ChatML | None:
     start, end = engine.control_token_id("<|im_start|>"), engine.control_token_id("<|im_end|>")
     if start is None or end is None:
         return None
-    return ChatML(start, end, engine.tokenize)
+    return ChatML(start, end, engine.tokenize, template, ToolFormat.of_template(template))
+
+
+# --- frames cut from the template's own rendering ------------------------------------------------
+
+_START, _END = "<|im_start|>", "<|im_end|>"
+_CONTROL_SPLIT = re.compile(f"({re.escape(_START)}|{re.escape(_END)})")
+_STAND_IN = "\u2063agentcache-{}\u2063"  # text no message holds (invisible separators around a name)
+
+
+def _render(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template([messages], tools=tools, chat_template=template)
+    return rendered[0]
+
+
+def _cut(rendered: str, *stand_ins: str) -> list[str]:
+    """`rendered` split at each stand-in in turn; a template that drops or repeats one is not ours to read."""
+    parts, rest = [], rendered
+    for stand_in in stand_ins:
+        if rest.count(stand_in) != 1:
+            raise InputError(f"the model's chat template does not render each message once (looked for "
+                             f"{stand_in!r}); agentcache cannot lay out tool calls with it")
+        head, rest = rest.split(stand_in)
+        parts.append(head)
+    return [*parts, rest]
+
+
+@functools.lru_cache(maxsize=32)
+def _system_frames(template: str, tools_json: str, with_system: bool) -> tuple[str, str]:
+    """The system turn with tools: the text before the system message and after it (the tool
+    section and the turn's end), up to the first user turn. Without a system message, the whole
+    turn the template writes (its default system prompt included) comes before."""
+    system, user = _STAND_IN.format("system"), _STAND_IN.format("user")
+    messages = ([{"role": "system", "content": system}] if with_system else []) + [{"role": "user", "content": user}]
+    rendered = _render(template, messages, json.loads(tools_json))
+    user_turn = f"{_START}user\n{user}"
+    if user_turn not in rendered:
+        raise InputError("the model's chat template does not write a user turn as ChatML; agentcache cannot lay "
+                         "out tools with it")
+    head = rendered[: rendered.index(user_turn)]
+    if not with_system:
+        return head, ""
+    before, after = _cut(head, system)
+    return before, after
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_frames(template: str) -> tuple[str, str, str]:
+    first, second = _STAND_IN.format("result-1"), _STAND_IN.format("result-2")
+    base = [{"role": "user", "content": "q"}]
+    lead = len(_render(template, base))
+    one = _render(template, [*base, {"role": "tool", "content": first}])[lead:]
+    two = _render(template, [*base, {"role": "tool", "content": first}, {"role": "tool", "content": second}])[lead:]
+    before, after = _cut(one, first)
+    before2, between, after2 = _cut(two, first, second)
+    if (before2, after2) != (before, after):
+        raise InputError("the model's chat template frames tool results in a way agentcache cannot read")
+    return before, between, after
+
+
+@functools.lru_cache(maxsize=256)
+def _assistant_text(template: str, text: str, calls: tuple[tuple[str, str], ...]) -> str:
+    base = [{"role": "user", "content": "q"}]
+    lead = len(_render(template, base))
+    message = {"role": "assistant", "content": text,
+               "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.loads(arguments)}}
+                              for name, arguments in calls]}
+    turn = _render(template, [*base, message])[lead:]
+    opener, closer = f"{_START}assistant\n", f"{_END}\n"
+    if not (turn.startswith(opener) and turn.endswith(closer)):
+        raise InputError("the model's chat template writes an assistant's tool calls in a frame agentcache cannot read")
+    return turn[len(opener) : -len(closer)]
 
 
 def stop_strings(chat: ChatML | None) -> tuple[str, ...]:
@@ -132,23 +262,52 @@ def build_call(
     PF and the quoted texts PH. Without it every turn is one PH segment of the turn's slot."""
     pieces: list[Segment] = []
     head = "\n\n".join(part.strip("\n") for part in system if part.strip())
-    if tools:
+    templated = chat is not None and chat.tool_format is not None  # the template renders tools and results
+    if tools and templated:
+        pieces += chat.system_with_tools(head, tools)
+        head = ""
+    elif tools:
         head += ("\n\n" if head else "") + "Tools:\n" + _tool_lines(tools).rstrip("\n")
     if chat is not None and head:
         pieces += [_ids(chat.opener("system")), Segment.pf(head), _ids(chat.closer())]
     elif head:
         pieces.append(Segment.pf(head))
-    for turn in turns:
+    for index, turn in enumerate(turns):
+        if turn.role == "tool" and templated:
+            pieces.extend(_tool_result(chat, turns, index))
+            continue
         pieces.append(_ids(chat.turn_opener(turn, agent)) if chat is not None else Segment.pf(turn.header))
-        if turn.text and known is not None:
-            pieces.extend(split_known(turn.text, known))
-        elif turn.text:  # an empty message keeps its frame only
-            pieces.append(Segment.ph(turn.slot, turn.text))
+        text = _turn_text(turn, chat if templated else None)
+        if text and known is not None:
+            pieces.extend(split_known(text, known))
+        elif text:  # an empty message keeps its frame only
+            pieces.append(Segment.ph(turn.slot, text))
         if chat is not None:
             pieces.append(_ids(chat.closer()))
     pieces.append(_ids(chat.opener("assistant")) if chat is not None else Segment.pf(f"\n\n### {agent}\n"))
     encode = chat.encode if chat is not None else None
     return AgentCall(agent=agent, segments=tuple(_merge_pf(pieces, encode)), session=session)
+
+
+def _turn_text(turn: ChatTurn, chat: ChatML | None) -> str:
+    """A turn's text with its tool calls: as the template writes them, else one JSON line each."""
+    if not turn.calls:
+        return turn.text
+    if chat is not None:
+        return chat.assistant_text(turn.text, turn.calls)
+    lines = [json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False) for c in turn.calls]
+    return "\n".join(part for part in (turn.text, *lines) if part)
+
+
+def _tool_result(chat: ChatML, turns: Sequence[ChatTurn], index: int) -> list[Segment]:
+    """A tool result in the template's frame; consecutive results share one turn, as the template writes them."""
+    before, between, after = chat.tool_frames()
+    first = index == 0 or turns[index - 1].role != "tool"
+    last = index == len(turns) - 1 or turns[index + 1].role != "tool"
+    pieces = chat.frame_segments(before if first else between)
+    if turns[index].text:
+        pieces.append(Segment.ph(turns[index].slot, turns[index].text))
+    return pieces + (chat.frame_segments(after) if last else [])
 
 
 def _ids(token_ids: list[int]) -> Segment:

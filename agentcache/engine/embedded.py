@@ -152,7 +152,7 @@ class EmbeddedEngine(ModelFrontend):
             self.cache, self.runner, self.layers, device=self.config.device, model_key=self.model_key,
             hidden_size=self.hidden_size, realign=self.realign, eos_token_ids=self.eos_token_ids,
             detokenize=self.detokenize, max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
-            warmup_chunk=self.config.warmup_chunk,
+            warmup_chunk=self.config.warmup_chunk, grammars=lambda: self.grammars,
         )
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 

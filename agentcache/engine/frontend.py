@@ -8,10 +8,12 @@ adds `submit`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
+from agentcache.engine.grammar import Grammars
 from agentcache.engine.kv import KVLayout, SegmentKV
 from agentcache.engine.protocol import ExecRequest, Step, TokenRecompute
 from agentcache.engine.rope import RopeAligner
@@ -102,6 +104,11 @@ class ModelFrontend:
     def control_token_id(self, spelling: str) -> int | None:
         return self._literal.control_id(spelling)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The constraints compiled for this vocabulary (built on the first constrained request)."""
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
     # --- KV helpers -------------------------------------------------------------------------
 
     @property
@@ -135,6 +142,8 @@ class ModelFrontend:
                 f"id {prompt[0]}: tokenize the first segment with bos=True"
             )
         self._check_recompute(request)
+        if request.sampling.constraint is not None:
+            self.grammars.compile(request.sampling.constraint)  # a constraint that cannot compile fails here
         start = 0
         for seg in request.segments:
             self._check_ids(seg.token_ids, f"segment '{seg.name}'")

@@ -24,6 +24,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from agentcache.engine.eviction import EvictionPolicy
+from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.kv import KVLayout, SegmentKV
 from agentcache.errors import InputError, PlanError, SegmentError
 
@@ -129,6 +130,7 @@ class SamplingParams:
     stop: tuple[str, ...] | str = ()  # a single string is one stop string
     seed: int | None = None
     ignore_eos: bool = False
+    constraint: OutputConstraint | None = None  # what the output must match (constrained decoding)
 
     @classmethod
     def checked(cls, value: object, where: str) -> "SamplingParams":
@@ -156,6 +158,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise PlanError(f"SamplingParams.stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise PlanError(f"SamplingParams.constraint must be an OutputConstraint or None, "
+                            f"got {type(self.constraint).__name__}")
 
 
 def _is_number(value: object) -> bool:

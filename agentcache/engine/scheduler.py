@@ -31,6 +31,7 @@ import torch
 from agentcache.engine.batch import DecodeRows
 from agentcache.engine.cache_manager import CacheManager, Lease
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
+from agentcache.engine.grammar import Grammars, GrammarState, mask_rows
 from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import Job
 from agentcache.engine.prefill import PrefillLayout, prefill_layout
@@ -67,6 +68,7 @@ class _Live:
     probed: dict[int, float] = field(default_factory=dict)  # segment -> CacheBlend probe work, in tokens
     hidden: HiddenRecord | None = None  # the hidden states entering `request.hidden_layer`, when asked
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # the output constraint's matcher, when the request has one
     generated: list[int] = field(default_factory=list)
     ttft: float = 0.0
     text: str = ""
@@ -97,7 +99,7 @@ class BatchScheduler:
         self, cache: CacheManager, runner: ModelRunner, layers: LayerControl, *, device: torch.device | str,
         model_key: bytes, hidden_size: int, realign: Callable[[SegmentKV, int], SegmentKV],
         eos_token_ids: frozenset[int], detokenize: Callable[[Sequence[int]], str],
-        max_batch: int, prefill_chunk: int, warmup_chunk: int,
+        max_batch: int, prefill_chunk: int, warmup_chunk: int, grammars: Callable[[], Grammars],
     ) -> None:
         self.cache = cache
         self.runner = runner
@@ -109,6 +111,7 @@ class BatchScheduler:
         self.realign = realign
         self.eos_token_ids = eos_token_ids
         self.detokenize = detokenize
+        self.grammars = grammars  # built on first use: most engines never see a constraint
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.warmup_chunk = warmup_chunk
@@ -192,6 +195,8 @@ class BatchScheduler:
             sampling = request.sampling
             if sampling.temperature > 0 and sampling.seed is not None:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+            if sampling.constraint is not None:
+                live.grammar = self.grammars().start(sampling.constraint)
             live.prefill = self._prefill_steps(live)
             return live
         except BaseException:
@@ -314,7 +319,10 @@ class BatchScheduler:
 
     def _first_token(self, live: _Live) -> None:
         sampling = live.request.sampling
-        token = choose_token(live.logits.cpu(), sampling.temperature, sampling.top_p, live.generator)
+        logits = live.logits.cpu()[None]  # (1, V); the kept logits stay as the model gave them
+        if live.grammar is not None:
+            logits = mask_rows(logits.clone(), [live.grammar])
+        token = choose_token(logits[0], sampling.temperature, sampling.top_p, live.generator)
         live.ttft = time.perf_counter() - live.job.submitted
         if self._emit(live, token):
             self._finish(live)
@@ -336,7 +344,7 @@ class BatchScheduler:
             return
         if len(ordered) > 1:
             self.batched_tokens += len(ordered)
-        logits = logits.cpu()
+        logits = mask_rows(logits.cpu(), [live.grammar for live in ordered])  # (n, V); free rows untouched
         done = []
         for live, row_logits in zip(ordered, logits):
             sampling = live.request.sampling
@@ -372,11 +380,13 @@ class BatchScheduler:
         sampling = live.request.sampling
         live.generated.append(token)
         on_token = live.request.on_token
-        if on_token is not None:
-            try:
+        try:
+            if live.grammar is not None:
+                live.grammar.accept(token)
+            if on_token is not None:
                 on_token(token)
-            except Exception as exc:
-                raise _CallbackError(exc) from exc
+        except Exception as exc:
+            raise _CallbackError(exc) from exc
         ended = finish_after(live.generated, sampling.max_tokens, sampling.stop, sampling.ignore_eos,
                              self.eos_token_ids, self.detokenize)
         if ended is None:
@@ -450,7 +460,7 @@ class BatchScheduler:
 
 
 class _CallbackError(Exception):
-    """The request's own `on_token` raised: that request fails with the callback's error."""
+    """The request's own `on_token` or grammar raised: that request fails with its error."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))

@@ -15,7 +15,6 @@ import torch
 from agentcache.errors import ModelLoadError
 from agentcache.models.convert import convert_once, save_converted
 from agentcache.models.presets import DEFAULT_MODEL, PRESETS, Preset
-from agentcache.models.tiny import byte_tokenizer
 
 __all__ = ["LoadedModel", "load_model", "model_directory"]
 
@@ -52,7 +51,7 @@ def _build_random(name: str, preset: Preset, seed: int, dtype: torch.dtype) -> L
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
-    return LoadedModel(name=name, model=model, tokenizer=byte_tokenizer(), requires_bos=preset.requires_bos)
+    return LoadedModel(name=name, model=model, tokenizer=preset.make_tokenizer(), requires_bos=preset.requires_bos)
 
 
 def _real_model_directory(name: str, preset: Preset, progress: bool) -> Path:
@@ -102,7 +101,8 @@ def model_directory(spec: str | os.PathLike[str] = DEFAULT_MODEL, *, seed: int =
                                   f"random weights of the agentcache preset {name}, seed {seed}\n")
 
         # the config's digest in the name: a preset whose config changes gets a new directory
-        digest = hashlib.sha256(preset.make_config().to_json_string().encode()).hexdigest()[:10]
+        template = preset.make_tokenizer().chat_template or ""  # and its chat template: a new one, a new directory
+        digest = hashlib.sha256((preset.make_config().to_json_string() + template).encode()).hexdigest()[:10]
         return convert_once(f"random-{name}-seed{seed}-{digest}", save)
     if preset is not None:
         return _real_model_directory(name, preset, progress)

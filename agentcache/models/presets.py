@@ -10,7 +10,15 @@ from agentcache.errors import ModelLoadError
 from agentcache.models.convert import cache_root, is_converted
 from agentcache.models.gemma import GEMMA_DIR_NAME, fetch_gemma3_270m
 from agentcache.models.qwen import QWEN_DIR_NAME, fetch_qwen25_coder_05b
-from agentcache.models.tiny import mid_llama_config, tiny_gemma3_config, tiny_llama_config, tiny_qwen2_config
+from agentcache.models.tiny import (
+    byte_tokenizer,
+    chatml_tokenizer,
+    mid_llama_config,
+    tiny_gemma3_config,
+    tiny_llama_config,
+    tiny_qwen2_chat_config,
+    tiny_qwen2_config,
+)
 
 __all__ = ["DEFAULT_MODEL", "PRESETS", "Preset", "fetch_model"]
 
@@ -29,6 +37,7 @@ class Preset:
     # True for the default model only: load_model converts it when missing. Any other real model
     # is fetched only when asked for, since that downloads hundreds of MB.
     fetch_on_load: bool = False
+    make_tokenizer: Callable[[], Any] = byte_tokenizer  # the tokenizer of a random-weight preset
 
     @property
     def directory(self) -> Path | None:
@@ -53,6 +62,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "tiny-llama": Preset(tiny_llama_config, True, "3-layer random Llama: GQA, llama3 rope scaling"),
     "tiny-qwen2": Preset(tiny_qwen2_config, False, "3-layer random Qwen2"),
+    "tiny-qwen2-chat": Preset(
+        tiny_qwen2_chat_config, False,
+        "tiny-qwen2 with a ChatML chat template that can call tools (Qwen2.5's tool-call format)",
+        make_tokenizer=chatml_tokenizer,
+    ),
     "tiny-gemma3": Preset(tiny_gemma3_config, True, "4-layer random Gemma 3: sliding window 8, local/global rope"),
     "mid-llama": Preset(mid_llama_config, True, "8-layer random Llama, hidden 512 (timing benchmarks)"),
 }

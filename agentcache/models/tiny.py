@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["byte_tokenizer", "tiny_llama_config", "tiny_qwen2_config", "tiny_gemma3_config", "mid_llama_config"]
+__all__ = ["byte_tokenizer", "chatml_tokenizer", "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen2_chat_config",
+           "tiny_gemma3_config", "mid_llama_config", "TINY_CHATML_TEMPLATE"]
 
 _BYTE_SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -27,6 +28,57 @@ def byte_tokenizer() -> Any:
     resize = getattr(tokenizer.backend_tokenizer.model, "_resize_cache", None)
     if resize is not None:
         resize(0)
+    return tokenizer
+
+
+# The chat template of the tiny ChatML preset: ChatML turns, tools declared in the system turn as
+# JSON lines, calls written as <tool_call>{"name", "arguments"}</tool_call> and results returned in
+# <tool_response> blocks of a user turn: the layout of Qwen2.5's tool format, worded for this preset.
+TINY_CHATML_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set rest = messages %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\nTo use a tool, answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+    "The tools:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for message in rest %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + (call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_CHATML_CONTROL = ["<|im_start|>", "<|im_end|>"]  # ids 259, 260
+_CHATML_TEXT = ["<tool_call>", "</tool_call>"]  # ids 261, 262: added tokens that stay text, as in Qwen2.5
+
+
+def chatml_tokenizer() -> Any:
+    """The byte tokenizer with ChatML's control tokens, tool-call tags and the tool-capable chat
+    template above; turns end with <|im_end|> and no BOS is used (as Qwen2.5 Instruct)."""
+    from tokenizers import AddedToken
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": _CHATML_CONTROL})
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in _CHATML_TEXT])
+    tokenizer.chat_template = TINY_CHATML_TEMPLATE
+    tokenizer.bos_token = None
+    tokenizer.eos_token = "<|im_end|>"
     return tokenizer
 
 
@@ -67,6 +119,14 @@ def tiny_qwen2_config() -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         initializer_range=0.08, use_sliding_window=False, **_TINY_COMMON,
     )
+
+
+def tiny_qwen2_chat_config() -> Any:
+    """tiny-qwen2 ending turns at <|im_end|> (id 260) as well as <eos>: the tiny ChatML preset."""
+    config = tiny_qwen2_config()
+    config.eos_token_id = [2, 260]
+    config.bos_token_id = None
+    return config
 
 
 def tiny_gemma3_config() -> Any:

@@ -1,0 +1,160 @@
+"""Constrained decoding: what a request's output must match, and the token masks that enforce it.
+
+An `OutputConstraint` rides in `SamplingParams`: a JSON schema, any JSON object, or an xgrammar
+structural tag (a model's tool-call format with each tool's argument schema). The vLLM engine
+hands it to vLLM's structured outputs; the embedded engine enforces it here, with xgrammar:
+
+- `Grammars` compiles a constraint once per engine (cached by its text), against the engine's
+  vocabulary. A constraint xgrammar cannot compile is an `InputError` at submit, naming why.
+- `GrammarState` is one request's matcher. Before a token is chosen, `mask_rows` sets the logits
+  of every token the grammar forbids to -inf, row by row, for the constrained rows of a batch only
+  (an unconstrained row is never touched); after, the chosen token advances the matcher.
+
+Why xgrammar: vLLM's default structured-output backend, so both engines read one constraint the
+same way (the same structural tags, the same JSON-schema dialect); its bitmask kernels run on CPU
+tensors; and it ships the tool-call formats of the model families (`get_model_structural_tag`).
+Once a grammar is complete it allows only the stop tokens, so a constrained request ends at EOS
+by the engines' usual rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Collection, Literal, Sequence
+
+import torch
+
+from agentcache.errors import InputError
+
+__all__ = ["MAX_WHITESPACE", "OutputConstraint", "Grammars", "GrammarState", "mask_rows"]
+
+ConstraintKind = Literal["json_schema", "json_object", "structural_tag"]
+_KINDS = ("json_schema", "json_object", "structural_tag")
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[16:42:40] /project/cpp/x.cc:49: "
+MAX_WHITESPACE = 2  # runs of JSON whitespace a constrained output may hold (no endless blank runs)
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What an output must match. `spec` is JSON text: the schema, or the structural tag; "" for
+    `json_object` (any JSON object)."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise InputError(f"OutputConstraint.kind must be one of {list(_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise InputError(f"OutputConstraint.spec must be JSON text, got {type(self.spec).__name__}")
+        if self.kind != "json_object":
+            try:
+                json.loads(self.spec)
+            except ValueError as exc:
+                raise InputError(f"OutputConstraint({self.kind}): the spec is not valid JSON ({exc})") from None
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> "OutputConstraint":
+        """Output one JSON value valid under `schema` (a dict or its JSON text)."""
+        if isinstance(schema, dict):
+            try:
+                schema = json.dumps(schema)  # property order kept: it is the order the output follows
+            except (TypeError, ValueError) as exc:
+                raise InputError(f"the JSON schema cannot be written as JSON: {exc}") from None
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> "OutputConstraint":
+        """Output any one JSON object (OpenAI's JSON mode)."""
+        return cls("json_object")
+
+    @classmethod
+    def structural_tag(cls, tag: Any) -> "OutputConstraint":
+        """Output matching an xgrammar structural tag (a `StructuralTag`, or its JSON)."""
+        text = tag if isinstance(tag, str) else tag.model_dump_json()
+        return cls("structural_tag", text)
+
+
+class Grammars:
+    """Compiled constraints of one engine's vocabulary. Thread-safe: `compile` runs in the
+    submitting thread (so a bad constraint fails there), matchers on the engine's thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._compiled: dict[OutputConstraint, Any] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: OutputConstraint) -> Any:
+        """The compiled grammar of `constraint`; an InputError naming the problem when it cannot be."""
+        with self._lock:
+            found = self._compiled.get(constraint)
+        if found is not None:
+            return found
+        try:
+            if constraint.kind == "json_object":
+                compiled = self._compiler.compile_builtin_json_grammar()
+            elif constraint.kind == "json_schema":
+                compiled = self._compiler.compile_json_schema(constraint.spec, any_whitespace=True,
+                                                              max_whitespace_cnt=MAX_WHITESPACE)
+            else:
+                compiled = self._compiler.compile_structural_tag(constraint.spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's compile errors derive from these
+            raise InputError(f"the output constraint ({constraint.kind}) cannot be compiled: {_reason(exc)}") from None
+        with self._lock:
+            self._compiled[constraint] = compiled
+        return compiled
+
+    def start(self, constraint: OutputConstraint) -> "GrammarState":
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(constraint)), self)
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any, grammars: Grammars) -> None:
+        self._matcher = matcher
+        self._grammars = grammars
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        """Advance past the chosen token. A token the mask allowed is always accepted; a stop token
+        after the grammar is complete ends it."""
+        if not self._matcher.accept_token(token) and not self._matcher.is_terminated():
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+
+    @property
+    def complete(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    lines = str(exc).strip().splitlines()
+    return _SOURCE_LOCATION.sub("", lines[0]) if lines else type(exc).__name__
+
+
+def mask_rows(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """`logits` (n, V) with the tokens each constrained row's grammar forbids set to -inf, in place;
+    rows whose state is None are left exactly as they are."""
+    rows = [row for row, state in enumerate(states) if state is not None]
+    if not rows:
+        return logits
+    import xgrammar as xgr
+
+    grammars = states[rows[0]]._grammars
+    bitmask = xgr.allocate_token_bitmask(len(states), grammars.vocab_size)  # (n, ceil(V / 32)) int32
+    for row in rows:
+        states[row].fill(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=grammars.vocab_size, indices=rows)
+    return logits

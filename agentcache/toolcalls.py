@@ -1,0 +1,175 @@
+"""Tool calls: a model's tool-call format, the calls parsed from its output, and the constraints
+that make it call a tool or answer in JSON.
+
+A model can call tools when its chat template declares them in its own format. The one format
+known here is the one of Qwen2.5 and Qwen3 instruct models (Hermes style): the template renders
+tools in the system turn, the model answers with
+
+    <tool_call>
+    {"name": "add", "arguments": {"a": 1, "b": 2}}
+    </tool_call>
+
+(one block per call), and results come back in the `tool` role. `ToolFormat.of_template` reads
+that from a template; a model without it (a base model such as Gemma 3 270M) has none and
+refuses tool calls. The grammar of a forced call comes from xgrammar's structural tag for this
+format (`get_model_structural_tag`), so the constrained call is the call the template describes.
+
+Parsing is ours: a JSON object between the tags is a call; anything else between them is an
+`InvalidToolCall`, kept with its text and the reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from agentcache.engine.grammar import MAX_WHITESPACE, OutputConstraint
+from agentcache.errors import InputError
+
+__all__ = ["ToolCall", "InvalidToolCall", "ParsedOutput", "ToolFormat", "function_tools", "no_tool_format",
+           "TOOL_PRESETS"]
+
+TOOL_PRESETS = ("qwen2.5-coder-0.5b", "tiny-qwen2-chat")  # the presets whose chat template can call tools
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    text: str  # what the model wrote between the tags
+    error: str
+    id: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str  # the text outside tool-call blocks, stripped
+    calls: tuple[ToolCall, ...] = ()
+    invalid: tuple[InvalidToolCall, ...] = ()
+
+
+def no_tool_format(model_name: str) -> str:
+    """Why `model_name` cannot call tools, and which presets can (for the adapters' errors)."""
+    return (f"{model_name!r} cannot call tools: its chat template has no tool-call format (a base model); use a "
+            f"model whose template has one, e.g. the preset {TOOL_PRESETS[0]!r} (or {TOOL_PRESETS[1]!r} in tests)")
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tool schemas in the OpenAI shape `{"type": "function", "function": {name, description,
+    parameters}}`, from that shape or the bare one (AutoGen's `ToolSchema`: name, description,
+    parameters). A schema without a name is an InputError."""
+    shaped = []
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise InputError(f"tool {index} must be a mapping (a JSON schema of the tool), got {type(tool).__name__}")
+        function = tool.get("function") if tool.get("type") == "function" else tool
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise InputError(f"tool {index} has no name: give {{'name': ..., 'parameters': {{...}}}} or the OpenAI "
+                             "shape {'type': 'function', 'function': {...}}")
+        entry = {"name": function["name"]}
+        if function.get("description"):
+            entry["description"] = function["description"]
+        entry["parameters"] = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        shaped.append({"type": "function", "function": entry})
+    names = [t["function"]["name"] for t in shaped]
+    if len(set(names)) != len(names):
+        raise InputError(f"tool names must be unique, got {names}")
+    return shaped
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A chat template's tool-call format."""
+
+    name: str
+    begin: str
+    end: str
+    xgrammar_model: str  # the key of xgrammar's structural tag for this format
+
+    @classmethod
+    def of_template(cls, template: str | None) -> "ToolFormat | None":
+        """The format the template renders tool calls in, or None when it renders none."""
+        if not template or "tools" not in template:
+            return None
+        if "<tool_call>" in template and "tool_calls" in template:
+            return HERMES
+        return None
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The calls in `text` and the text around them. An unclosed last block is parsed to the end."""
+        calls: list[ToolCall] = []
+        invalid: list[InvalidToolCall] = []
+        content: list[str] = []
+        cursor = 0
+        for match in self._blocks.finditer(text):
+            content.append(text[cursor:match.start()])
+            cursor = match.end()
+            body = match.group(1).strip()
+            try:
+                value = json.loads(body)
+            except ValueError as exc:
+                invalid.append(InvalidToolCall(body, f"not JSON: {exc}", _call_id()))
+                continue
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                invalid.append(InvalidToolCall(body, 'not an object with a "name"', _call_id()))
+                continue
+            arguments = value.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass
+            if not isinstance(arguments, dict):
+                invalid.append(InvalidToolCall(body, '"arguments" is not a JSON object', _call_id()))
+                continue
+            calls.append(ToolCall(value["name"], arguments, _call_id()))
+        content.append(text[cursor:])
+        return ParsedOutput("".join(content).strip(), tuple(calls), tuple(invalid))
+
+    @property
+    def _blocks(self) -> re.Pattern[str]:
+        return re.compile(re.escape(self.begin) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)", re.DOTALL)
+
+    def constraint(self, tools: Sequence[Mapping[str, Any]], choice: str | None) -> OutputConstraint | None:
+        """The constraint that makes the model call a tool: `choice` "required" (any of `tools`) or
+        a tool's name (that one); None for "auto" or "none" (free text, parsed after)."""
+        if choice in (None, "auto", "none"):
+            return None
+        from xgrammar import get_model_structural_tag
+
+        shaped = function_tools(tools)
+        if choice == "required":
+            tool_choice: Any = "required"
+        else:
+            if choice not in {t["function"]["name"] for t in shaped}:
+                raise InputError(f"tool_choice names {choice!r}, which is not among the tools "
+                                 f"{[t['function']['name'] for t in shaped]}")
+            tool_choice = {"type": "function", "function": {"name": choice}}
+        if not shaped:
+            raise InputError(f"tool_choice={choice!r} needs at least one tool")
+        try:
+            tag = get_model_structural_tag(self.xgrammar_model, tools=shaped, tool_choice=tool_choice,
+                                           reasoning="disabled", parallel_tool_calls=False,
+                                           max_whitespace_cnt=MAX_WHITESPACE)
+        except ValueError as exc:
+            raise InputError(f"cannot constrain the tool call: {exc}") from None
+        return OutputConstraint.structural_tag(tag)
+
+
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "qwen_3")
