@@ -93,6 +93,20 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return shaped
 
 
+def _bare_call(text: str, tool_names: Sequence[str]) -> ToolCall | None:
+    stripped = text.strip()
+    if not tool_names or not stripped.startswith("{"):
+        return None
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        return None
+    if (isinstance(value, dict) and set(value) <= {"name", "arguments"} and value.get("name") in tool_names
+            and isinstance(value.get("arguments", {}), dict)):
+        return ToolCall(value["name"], value.get("arguments", {}), _call_id())
+    return None
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """A chat template's tool-call format."""
@@ -111,8 +125,14 @@ class ToolFormat:
             return HERMES
         return None
 
-    def parse(self, text: str) -> ParsedOutput:
-        """The calls in `text` and the text around them. An unclosed last block is parsed to the end."""
+    def parse(self, text: str, tool_names: Sequence[str] = ()) -> ParsedOutput:
+        """The calls in `text` and the text around them. An unclosed last block is parsed to the end.
+
+        A small model sometimes writes its call without the tags: an answer that is nothing but
+        `{"name": <one of tool_names>, "arguments": {...}}` is read as that call."""
+        bare = _bare_call(text, tool_names)
+        if bare is not None:
+            return ParsedOutput("", (bare,))
         calls: list[ToolCall] = []
         invalid: list[InvalidToolCall] = []
         content: list[str] = []

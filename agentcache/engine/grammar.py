@@ -4,6 +4,9 @@ An `OutputConstraint` rides in `SamplingParams`: a JSON schema, any JSON object,
 structural tag (a model's tool-call format with each tool's argument schema). The vLLM engine
 hands it to vLLM's structured outputs; the embedded engine enforces it here, with xgrammar:
 
+- JSON (a schema, or JSON mode's any object) is written compactly, without free whitespace, and
+  tool-call arguments with at most `MAX_WHITESPACE` whitespace characters in a row: a model
+  (above all a random-weight one) can otherwise fill its tokens with blank runs.
 - `Grammars` compiles a constraint once per engine (cached by its text), against the engine's
   vocabulary. A constraint xgrammar cannot compile is an `InputError` at submit, naming why.
 - `GrammarState` is one request's matcher. Before a token is chosen, `mask_rows` sets the logits
@@ -34,6 +37,7 @@ __all__ = ["MAX_WHITESPACE", "OutputConstraint", "Grammars", "GrammarState", "ma
 ConstraintKind = Literal["json_schema", "json_object", "structural_tag"]
 _KINDS = ("json_schema", "json_object", "structural_tag")
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[16:42:40] /project/cpp/x.cc:49: "
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # JSON mode: any one JSON object
 MAX_WHITESPACE = 2  # runs of JSON whitespace a constrained output may hold (no endless blank runs)
 
 
@@ -100,13 +104,11 @@ class Grammars:
         if found is not None:
             return found
         try:
-            if constraint.kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
-            elif constraint.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(constraint.spec, any_whitespace=True,
-                                                              max_whitespace_cnt=MAX_WHITESPACE)
-            else:
+            if constraint.kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(constraint.spec)
+            else:  # compact JSON, as vLLM's structured outputs write it with disable_any_whitespace
+                schema = constraint.spec if constraint.kind == "json_schema" else JSON_OBJECT_SCHEMA
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's compile errors derive from these
             raise InputError(f"the output constraint ({constraint.kind}) cannot be compiled: {_reason(exc)}") from None
         with self._lock:

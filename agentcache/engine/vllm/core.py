@@ -28,6 +28,7 @@ from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import SegmentKV, prefix_digests
 from agentcache.engine.loop import EngineLoop, Job
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
+from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
@@ -159,7 +160,7 @@ class VLLMCore:
         del loaded  # vLLM loads its own copy of the weights
 
         vllm = import_vllm(self.threads)
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVTransferConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -174,13 +175,16 @@ class VLLMCore:
             max_num_seqs=config.max_batch, max_num_batched_tokens=max(config.prefill_chunk, config.max_batch),
             enable_chunked_prefill=True, num_gpu_blocks_override=blocks,
             kv_cache_memory_bytes=blocks * block_bytes if blocks else config.kv_cache_bytes,
-            scheduling_policy="priority", disable_log_stats=False, skip_tokenizer_init=True,
+            scheduling_policy="priority", disable_log_stats=False,  # vLLM's tokenizer serves its structured outputs only
+
             generation_config="vllm", logits_processors=[LastPromptLogits], seed=0,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="AgentCacheConnector", kv_connector_module_path="agentcache.engine.vllm.connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
             ),
             scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
+            # xgrammar, JSON written compactly: the embedded engine's constraints (engine/grammar.py)
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         )
         self.vllm_version = vllm.__version__
         self.engine = LLMEngine.from_engine_args(args)
@@ -302,6 +306,7 @@ class VLLMCore:
             n=1, max_tokens=sampling.max_tokens if final else 1, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=True, detokenize=False, output_kind=self._delta,
             extra_args={EXTRA_KEY: key, "kv_transfer_params": {EXTRA_KEY: key}},
+            structured_outputs=self._structured(sampling.constraint) if final else None,
         )
         prompt = {"prompt_token_ids": live.prompt[:length], "cache_salt": call.salt}
         priority = request.priority + (_WARMUP_PRIORITY if request.warmup else 0)
@@ -315,6 +320,18 @@ class VLLMCore:
             self._live.pop(key, None)
             REGISTRY.pop(key, None)
             raise
+
+    def _structured(self, constraint: OutputConstraint | None) -> Any:
+        """vLLM's structured outputs for an output constraint (its xgrammar backend reads the same specs)."""
+        if constraint is None:
+            return None
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if constraint.kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if constraint.kind == "json_schema":
+            return StructuredOutputsParams(json=constraint.spec)
+        return StructuredOutputsParams(structural_tag=constraint.spec)
 
     def _on_output(self, live: _Live, output: Any) -> None:
         hooks = live.hooks
