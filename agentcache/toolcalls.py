@@ -29,8 +29,8 @@ from typing import Any, Mapping, Sequence
 from agentcache.engine.grammar import MAX_WHITESPACE, OutputConstraint
 from agentcache.errors import InputError
 
-__all__ = ["ToolCall", "InvalidToolCall", "ParsedOutput", "ToolFormat", "function_tools", "no_tool_format",
-           "TOOL_PRESETS"]
+__all__ = ["ToolCall", "InvalidToolCall", "ParsedOutput", "ToolFormat", "ContentStream", "function_tools",
+           "no_tool_format", "TOOL_PRESETS"]
 
 TOOL_PRESETS = ("qwen2.5-coder-0.5b", "tiny-qwen2-chat")  # the presets whose chat template can call tools
 
@@ -98,7 +98,7 @@ def _bare_call(text: str, tool_names: Sequence[str]) -> ToolCall | None:
     if not tool_names or not stripped.startswith("{"):
         return None
     try:
-        value = json.loads(stripped)
+        value = json.loads(stripped, strict=False)
     except ValueError:
         return None
     if (isinstance(value, dict) and set(value) <= {"name", "arguments"} and value.get("name") in tool_names
@@ -142,7 +142,7 @@ class ToolFormat:
             cursor = match.end()
             body = match.group(1).strip()
             try:
-                value = json.loads(body)
+                value = json.loads(body, strict=False)  # raw control characters in strings, as xgrammar allows
             except ValueError as exc:
                 invalid.append(InvalidToolCall(body, f"not JSON: {exc}", _call_id()))
                 continue
@@ -152,7 +152,7 @@ class ToolFormat:
             arguments = value.get("arguments", {})
             if isinstance(arguments, str):  # some models write the arguments as a JSON string
                 try:
-                    arguments = json.loads(arguments)
+                    arguments = json.loads(arguments, strict=False)
                 except ValueError:
                     pass
             if not isinstance(arguments, dict):
@@ -164,7 +164,10 @@ class ToolFormat:
 
     @property
     def _blocks(self) -> re.Pattern[str]:
-        return re.compile(re.escape(self.begin) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)", re.DOTALL)
+        # an unclosed last block ends at the text's end, less a cut-off start of the end tag
+        cut = "|".join(re.escape(self.end[:n]) for n in range(len(self.end) - 1, 0, -1))
+        return re.compile(re.escape(self.begin) + r"(.*?)(?:" + re.escape(self.end) + r"|\s*(?:" + cut + r")?\Z)",
+                          re.DOTALL)
 
     def constraint(self, tools: Sequence[Mapping[str, Any]], choice: str | None) -> OutputConstraint | None:
         """The constraint that makes the model call a tool: `choice` "required" (any of `tools`) or
@@ -190,6 +193,45 @@ class ToolFormat:
         except ValueError as exc:
             raise InputError(f"cannot constrain the tool call: {exc}") from None
         return OutputConstraint.structural_tag(tag)
+
+
+class ContentStream:
+    """The content of a reply that may call tools, as it streams: the text before the first call,
+    sent as it comes. A tail that may begin the call's tag waits for more; from the tag on nothing
+    is sent; a reply opening with "{" may be a call written without tags and waits for the end.
+    What is sent is always a prefix of the parsed content (`ParsedOutput.content`, stripped), and
+    `rest` gives what is left of it once the reply is whole."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self._begin = fmt.begin
+        self._text = ""
+        self.sent = ""
+        self._held = False  # a call began: nothing more is sent before the end
+
+    def push(self, piece: str) -> str:
+        """What of the reply so far may be sent now, after what was sent before."""
+        self._text += piece
+        if self._held or (not self.sent and self._text.lstrip().startswith("{")):
+            return ""
+        text = self._text
+        tag = text.find(self._begin)
+        if tag != -1:
+            self._held, text = True, text[:tag]
+        else:
+            for n in range(min(len(self._begin) - 1, len(text)), 0, -1):
+                if text.endswith(self._begin[:n]):
+                    text = text[:-n]
+                    break
+        safe = text.strip()
+        if len(safe) <= len(self.sent):
+            return ""
+        chunk, self.sent = safe[len(self.sent):], safe
+        return chunk
+
+    def rest(self, content: str) -> str:
+        """What is left to send of the reply's final content (text, or the parsed content)."""
+        content = content.lstrip()
+        return content[len(self.sent):] if content.startswith(self.sent) else ""
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "qwen_3")

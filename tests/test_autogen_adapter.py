@@ -371,8 +371,8 @@ def test_bad_input_is_refused_clearly_and_the_runtime_stays_usable():
     async def scenario():
         with pytest.raises(UnsupportedMessageError, match="message 1 contains an image"):
             await client.create([SystemMessage(content="sys"), UserMessage(content=["look", image], source="user")])
-        with pytest.raises(UnsupportedRequestError, match="json_output"):
-            await client.create(msgs(), json_output=True)
+        with pytest.raises(UnsupportedRequestError, match="json_output must be a bool or a pydantic"):
+            await client.create(msgs(), json_output=dict)
         with pytest.raises(UnsupportedRequestError, match="tool_choice='required'"):
             await client.create(msgs(), tools=[WEATHER], tool_choice="required")
         with pytest.raises(UnsupportedRequestError, match="frequency_penalty"):
@@ -380,8 +380,8 @@ def test_bad_input_is_refused_clearly_and_the_runtime_stays_usable():
         not_a_message = FunctionExecutionResult(content="x", name="weather", call_id="1")
         with pytest.raises(UnsupportedMessageError, match="message 1 is a FunctionExecutionResult"):
             await client.create([SystemMessage(content="sys"), not_a_message])
-        with pytest.raises(UnsupportedRequestError, match="json_output"):
-            await _stream(client, msgs(), json_output=True)
+        with pytest.raises(UnsupportedRequestError, match="json_output must be a bool or a pydantic"):
+            await _stream(client, msgs(), json_output=dict)
         with pytest.raises(UnsupportedMessageError, match="image"):
             await _stream(client, [UserMessage(content=[image], source="user")])
         assert rt.events == [] and rt.results == []  # nothing reached the runtime
@@ -434,7 +434,7 @@ def test_usage_counting_and_model_info():
 
     info = client.model_info
     validate_model_info(info)
-    assert info["function_calling"] is False and info["vision"] is False and info["json_output"] is False
+    assert info["function_calling"] is False and info["vision"] is False and info["json_output"] is True
     assert client.capabilities["function_calling"] is False
 
 

@@ -1,11 +1,21 @@
-"""LangChain's standard chat-model test suites (`langchain-tests`) on `AgentCacheChatModel`, with a
-tiny random-weight runtime. What the runtime cannot do is declared the way the suites read it
-(no tool calls, structured output, JSON mode or non-text inputs; one model per runtime), so those
-tests skip; every other test of both suites runs."""
+"""LangChain's standard chat-model test suites (`langchain-tests`) on `AgentCacheChatModel`.
+
+Two models. tiny-llama (random weights, fast) runs every test of both suites that needs no tool
+calls: it has no chat template, so no tool-call format, and tool calling, structured output and
+JSON mode are declared unsupported there. The real Qwen2.5-Coder-0.5B-Instruct (`slow`; its
+template has Qwen2.5's tool-call format) declares tool calling, tool choice, structured output
+and JSON mode, and runs the unit suite and the integration suite's tool-calling and
+structured-output tests (the rest of that suite runs on tiny-llama; on CPU the 0.5B model takes
+seconds a call). What neither model can do is declared the way the suites read it (non-text
+inputs; one model per runtime), so those tests skip. The tests a 0.5B model cannot pass for its
+answers' sake are xfailed, each with its reason."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -19,12 +29,17 @@ def shared_runtime() -> Runtime:
     return Runtime(make_engine("tiny-llama", pool_blocks=512), config=RuntimeConfig(self_check=False))
 
 
+@pytest.fixture(scope="module")
+def qwen_runtime(qwen_model) -> Runtime:
+    from agentcache.engine import EmbeddedEngine, EngineConfig
+
+    return Runtime(EmbeddedEngine(qwen_model, EngineConfig(pool_blocks=512)), config=RuntimeConfig(self_check=False))
+
+
 class _Declared:
     """What both suites need to know about the model."""
 
-    @pytest.fixture(autouse=True)
-    def _runtime(self, shared_runtime: Runtime) -> None:
-        self._shared_runtime = shared_runtime
+    _shared_runtime: Runtime
 
     @property
     def chat_model_class(self) -> type[AgentCacheChatModel]:
@@ -34,10 +49,6 @@ class _Declared:
     def chat_model_params(self) -> dict:
         return {"runtime": self._shared_runtime}
 
-    has_tool_calling = False
-    has_tool_choice = False
-    has_structured_output = False
-    supports_json_mode = False
     supports_image_inputs = False
     supports_image_urls = False
     supports_pdf_inputs = False
@@ -50,9 +61,64 @@ class _Declared:
     returns_usage_metadata = True
 
 
-class TestAgentCacheChatModelUnit(_Declared, ChatModelUnitTests):
+class _TinyLlama(_Declared):
+    """A model without a tool-call format: tools refused (structured output by JSON schema would
+    work, but a random model's free strings rarely close, so the suites' jokes would not parse)."""
+
+    @pytest.fixture(autouse=True)
+    def _runtime(self, shared_runtime: Runtime) -> None:
+        self._shared_runtime = shared_runtime
+
+    has_tool_calling = False
+    has_tool_choice = False
+    has_structured_output = False
+    supports_json_mode = False
+
+
+class TestAgentCacheChatModelUnit(_TinyLlama, ChatModelUnitTests):
     pass
 
 
-class TestAgentCacheChatModelIntegration(_Declared, ChatModelIntegrationTests):
+class TestAgentCacheChatModelIntegration(_TinyLlama, ChatModelIntegrationTests):
     pass
+
+
+# --- the real model, with tool calls ------------------------------------------------------
+
+_QWEN_TESTS = ("tool", "structured", "json", "agent_loop")  # the integration tests Qwen runs
+_UNFORCED = ("Qwen2.5-Coder-0.5B-Instruct writes an unforced call as bare JSON without its template's <tool_call> "
+             "tags (transformers' generate gives the same text), so with tool_choice=None it makes no tool call")
+
+
+class _Qwen(_Declared):
+    @pytest.fixture(autouse=True)
+    def _runtime(self, qwen_runtime: Runtime) -> None:
+        self._shared_runtime = qwen_runtime
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        return {**super().standard_chat_model_params, "max_tokens": 128}  # a joke as JSON fits (the suites': 100)
+
+    has_tool_calling = True
+    has_tool_choice = True
+    has_structured_output = True
+    supports_json_mode = True
+
+
+@pytest.mark.slow
+class TestQwenChatModelUnit(_Qwen, ChatModelUnitTests):
+    pass
+
+
+@pytest.mark.slow
+class TestQwenChatModelIntegration(_Qwen, ChatModelIntegrationTests):
+    @pytest.fixture(autouse=True)
+    def _tool_tests_only(self, request: pytest.FixtureRequest) -> None:
+        if not any(key in request.node.name for key in _QWEN_TESTS):
+            pytest.skip("runs on tiny-llama (TestAgentCacheChatModelIntegration); on CPU the 0.5B model runs only "
+                        "the tool-calling and structured-output tests")
+
+    @pytest.mark.xfail(strict=False, reason=_UNFORCED)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)

@@ -81,3 +81,20 @@ def test_figures_compare_each_call_with_the_baselines_same_call():
     assert "ttft_vs_baseline" not in figures(base, None)
     table = format_table([{"s": "kvcmas", "r": 0.5}, {"s": "nonshared", "r": None}], (("s", "strategy", ""), ("r", "ratio", ".2f")))
     assert table.splitlines()[2].split() == ["kvcmas", "0.50"] and table.splitlines()[3].split() == ["nonshared", "-"]
+
+
+def test_research_team_calls_its_tool_and_compares_the_readers_with_nonshared(tmp_path):
+    from samples.research_team.run import CALLS, main, run_batch
+
+    report = run_batch("tiny-qwen2-chat", questions=2, warmup=1, result_tokens=200, call_tokens=320,
+                       answer_tokens=4, progress_bar=False)
+    rows = {row["strategy"]: row for row in report["strategies"]}
+    for row in rows.values():
+        # the searcher's call is forced: one valid call per scored question, whatever the weights
+        assert row["tool_calls"] == 2 and row["invalid_tool_calls"] == 0 and row["valid_tool_call_rate"] == 1.0
+        assert set(row["per_call_ttft_s"]) == set(CALLS) and row["readers_ttft_s"] > 0
+    assert rows["nonshared"]["readers_ttft_vs_baseline"] == 1.0 and rows["nonshared"]["reuse_ratio"] == 0
+    assert rows["kvcmas"]["prefill_tokens_per_workflow"] > 0 and report["tool_result_tokens"] >= 150
+    assert main(["--model", "tiny-qwen2-chat", "--questions", "1", "--warmup", "0", "--result-tokens", "100",
+                 "--call-tokens", "320", "--answer-tokens", "2", "--results", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "research_team.json").read_text())["questions"] == 1

@@ -107,6 +107,23 @@ def test_the_parser_keeps_calls_text_and_invalid_calls_apart():
     assert HERMES.parse(bare, ["mul"]).calls == () and HERMES.parse(bare).content == bare
 
 
+def test_streamed_content_stops_where_a_call_begins_and_is_a_prefix_of_the_parsed_content():
+    from agentcache.toolcalls import ContentStream
+
+    pieces = ("Sure", ", I will <to", "ol_call>\n{", '"name": "flip"}')
+    held = ContentStream(HERMES)
+    assert [held.push(p) for p in pieces] == ["Sure", ", I will", "", ""]  # trailing blanks wait
+    text = "".join(pieces)
+    assert held.sent + held.rest(HERMES.parse(text).content) == HERMES.parse(text).content == "Sure, I will"
+    prose = ContentStream(HERMES)
+    assert [prose.push(p) for p in ("a <", "b")] == ["a", " <b"]  # a "<" that begins no call is sent
+    bare = ContentStream(HERMES)
+    assert [bare.push(p) for p in (" ", '{"name"', ': "flip"}')] == ["", "", ""]  # perhaps a call without tags
+    assert bare.rest(' {"name": "flip"}') == '{"name": "flip"}'
+    cut = HERMES.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_c')  # max_tokens ran out
+    assert [c.name for c in cut.calls] == ["add"] and not cut.invalid
+
+
 def test_tool_choice_must_name_a_given_tool():
     with pytest.raises(InputError, match="not among the tools"):
         HERMES.constraint([LAMP], "switch")

@@ -69,6 +69,7 @@ class _Live:
     hidden: HiddenRecord | None = None  # the hidden states entering `request.hidden_layer`, when asked
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # the output constraint's matcher, when the request has one
+    grammar_s: float = 0.0  # time its matcher took since the last decode step was counted
     generated: list[int] = field(default_factory=list)
     ttft: float = 0.0
     text: str = ""
@@ -119,6 +120,11 @@ class BatchScheduler:
         self.live: list[_Live] = []
         self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
         self.batched_tokens = 0  # tokens decoded in steps of more than one request
+        # decode steps with a constrained row: their count, their time (forward, masks, choice) and,
+        # of that, the grammar's (masking the logits, advancing the matchers)
+        self.constrained_steps = 0
+        self.constrained_step_s = 0.0
+        self.grammar_s = 0.0
         self.preempted = 0
 
     # --- one step --------------------------------------------------------------------------
@@ -336,6 +342,8 @@ class BatchScheduler:
             return
         by_cache = {id(live.cache): live for live in members}
         ordered = [by_cache[id(cache)] for cache in self.rows.members]  # row order
+        grammars = [live.grammar for live in ordered]
+        began = time.perf_counter()
         try:
             logits = self._decode_step(ordered)  # (n, V)
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
@@ -344,7 +352,9 @@ class BatchScheduler:
             return
         if len(ordered) > 1:
             self.batched_tokens += len(ordered)
-        logits = mask_rows(logits.cpu(), [live.grammar for live in ordered])  # (n, V); free rows untouched
+        masking = time.perf_counter()
+        logits = mask_rows(logits.cpu(), grammars)  # (n, V); unconstrained rows untouched
+        grammar_s = time.perf_counter() - masking
         done = []
         for live, row_logits in zip(ordered, logits):
             sampling = live.request.sampling
@@ -354,6 +364,12 @@ class BatchScheduler:
                     done.append(live)
             except _CallbackError as exc:
                 self._drop(live, exc)
+        if any(g is not None for g in grammars):
+            self.constrained_steps += 1
+            self.constrained_step_s += time.perf_counter() - began
+            self.grammar_s += grammar_s + sum(live.grammar_s for live in ordered)
+            for live in ordered:
+                live.grammar_s = 0.0
         for live in done:
             self._finish(live)
 
@@ -382,7 +398,9 @@ class BatchScheduler:
         on_token = live.request.on_token
         try:
             if live.grammar is not None:
+                began = time.perf_counter()
                 live.grammar.accept(token)
+                live.grammar_s += time.perf_counter() - began
             if on_token is not None:
                 on_token(token)
         except Exception as exc:

@@ -18,14 +18,42 @@ The client is an AutoGen component: `dump_component()` writes its config (model,
 and runtime options; see `agentcache_autogen.config`) and `load_component` builds it again, the
 clients of one loaded team on one runtime.
 
-What it refuses, with a clear error: images and other non-text content, `json_output`, tool
-calls (`tool_choice="required"` or a specific tool; the runtime only generates text, so
-`model_info` says `function_calling=False` and AutoGen agents will not offer it tools).
+Tool calls, JSON output and structured output:
+
+- A model whose chat template has a tool-call format (`runtime.chat.tool_format`: Qwen2.5 and
+  the `tiny-qwen2-chat` preset) calls tools: `model_info` says `function_calling=True`, its tools,
+  its own earlier calls and the tools' results are laid out by its template, and its output is
+  parsed into `FunctionCall`s (`finish_reason="function_calls"`, the text around the calls as
+  `thought`). `tool_choice="auto"` lets the model choose (the output is parsed after);
+  `"required"` or a `Tool` forces a call with constrained decoding, so the call is a well-formed
+  call of one of the request's tools with arguments valid for its schema; `"none"` shows the
+  tools and parses nothing. AutoGen's `AssistantAgent` always asks with "auto": the client's
+  `tool_choice="required"` forces a call whenever a request has tools and asks for "auto"
+  (a reflection, which AutoGen asks for with "none" and no tools, stays free text).
+- A call the model writes that is not a call (not JSON, or a tool the request does not have) is
+  never raised: the output stays text (`finish_reason` "stop", or "length" when cut) and the call
+  is kept in `client.invalid_tool_calls`. When valid calls come with invalid ones, the valid calls
+  are the result and the invalid ones are kept there.
+- `json_output=True` constrains the output to one JSON object, `json_output=<a pydantic model>`
+  to JSON valid for the model's schema, on every model (constrained decoding needs no template).
+  With a JSON constraint the output is JSON, so the model cannot call a tool in that request.
+- Streaming: text chunks as generated; once a tool call begins nothing more streams, and the
+  final `CreateResult` carries the calls (an answer that opens with "{", perhaps a call written
+  without its tags, waits for the end).
+
+What it refuses, with a clear error: images and other non-text content (in messages and in tool
+results), a forced tool call (`tool_choice="required"` or a `Tool`) on a model whose template has
+no tool-call format (a base model such as the default Gemma 3 270M; `model_info` says
+`function_calling=False` there, and AutoGen agents will not take tools), a forced tool call together
+with `json_output`, a `json_output` that is neither a bool nor a pydantic model, and unknown create
+arguments. A schema the constrained decoder cannot compile is the runtime's `InputError`; the
+client stays usable after any of these.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 from collections import deque
@@ -47,13 +75,16 @@ from autogen_core.models import (
     UserMessage,
 )
 from autogen_core.tools import Tool, ToolSchema
+from pydantic import BaseModel
 
+from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.protocol import SamplingParams
 from agentcache.errors import InputError
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call
+from agentcache.toolcalls import ContentStream, InvalidToolCall, ToolCall, ToolFormat, no_tool_format
 from agentcache.transcript import ChatTurn, UnsupportedMessageError, build_call, stop_strings
 
 from agentcache_autogen.config import DEFAULT_AGENT, AgentCacheClientConfig, remember, runtime_for, runtime_spec
@@ -65,6 +96,7 @@ SELECTOR = "selector"
 _MANAGER_SUFFIX = "GroupChatManager"  # AutoGen names a team's manager type "<Kind>GroupChatManager_<team id>"
 _CREATE_ARGS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
 _CALLER_FRAMES = 48  # how far up the stack to look for the AutoGen chat agent that calls
+_CLIENT_TOOL_CHOICES = ("auto", "required")
 
 
 @dataclass(frozen=True)
@@ -76,7 +108,16 @@ class Caller:
 
 
 class UnsupportedRequestError(ValueError):
-    """A request the runtime cannot honour: JSON output, forced tool calls, unknown create arguments."""
+    """A request the runtime cannot honour: a forced tool call on a model without a tool-call format,
+    a forced call together with JSON output, unknown create arguments."""
+
+
+@dataclass(frozen=True)
+class _Request:
+    call: AgentCall
+    sampling: SamplingParams
+    event: DispatchEvent
+    tools: tuple[str, ...] | None  # parse the output for calls of these tools; None: the output is text
 
 
 class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheClientConfig]):
@@ -96,17 +137,27 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         max_tokens: int = 64,
         temperature: float = 0.0,
         stop: Sequence[str] = (),
+        tool_choice: Literal["auto", "required"] = "auto",
     ) -> None:
         """`agent`: always call as this agent; `default_agent`: the agent when neither `agent` nor
         AutoGen names one (a bare `client.create(...)`). `stop`: the caller's stop strings; they join
-        the transcript's own stop, never replace it."""
+        the transcript's own stop, never replace it. `tool_choice`: what a request with tools that
+        asks for "auto" gets; "required" forces a tool call there (AutoGen's `AssistantAgent` always
+        asks for "auto"), and needs a model whose chat template has a tool-call format."""
         if not isinstance(runtime, Runtime):
             raise TypeError(f"runtime must be an agentcache Runtime, got {type(runtime).__name__}")
         for name, value in (("agent", agent), ("default_agent", default_agent)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InputError(f"AgentCacheChatCompletionClient({name}=...) must be a non-empty agent name, "
                                  f"got {value!r}")
+        if tool_choice not in _CLIENT_TOOL_CHOICES:
+            raise InputError(f"AgentCacheChatCompletionClient(tool_choice=...) must be one of "
+                             f"{list(_CLIENT_TOOL_CHOICES)}, got {tool_choice!r}")
+        if tool_choice == "required" and _tool_format(runtime) is None:
+            raise InputError(f"AgentCacheChatCompletionClient(tool_choice='required'): "
+                             f"{no_tool_format(runtime.engine.model_name)}")
         self.runtime = runtime
+        self.tool_choice = tool_choice
         self.agent = agent
         self.default_agent = default_agent
         self.session = session
@@ -119,17 +170,27 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         self._usage_lock = threading.Lock()
         # this client's newest calls, in order; as many as the runtime keeps (RuntimeConfig.keep_calls)
         self._results: deque[CallResult] = deque(maxlen=runtime.config.keep_calls)
+        self._invalid: deque[InvalidToolCall] = deque(maxlen=runtime.config.keep_calls)
 
     @property
     def results(self) -> list[CallResult]:
         """This client's newest calls (as many as the runtime keeps), oldest first."""
         return list(self._results)
 
-    def for_agent(self, agent: str, session: str | None = None) -> "AgentCacheChatCompletionClient":
-        """A client on the same runtime that always calls as `agent` (one client per agent)."""
+    @property
+    def invalid_tool_calls(self) -> list[InvalidToolCall]:
+        """The tool calls the model wrote that were not calls (not JSON, or a tool the request did not
+        offer), newest last; as many as the runtime keeps calls. Their text stayed in the output."""
+        return list(self._invalid)
+
+    def for_agent(self, agent: str, session: str | None = None, *,
+                  tool_choice: Literal["auto", "required"] | None = None) -> "AgentCacheChatCompletionClient":
+        """A client on the same runtime that always calls as `agent` (one client per agent);
+        `tool_choice` as the constructor's, by default this client's."""
         return AgentCacheChatCompletionClient(
             self.runtime, agent=agent, default_agent=self.default_agent, session=session or self.session,
-            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=self._own_stop)
+            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=self._own_stop,
+            tool_choice=tool_choice or self.tool_choice)
 
     # --- the component config --------------------------------------------------------------
 
@@ -138,13 +199,14 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         remember(self.runtime)  # a config loaded in this process runs on this runtime again
         return AgentCacheClientConfig(
             **spec, agent=self.agent, default_agent=self.default_agent, session=self.session,
-            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=list(self._own_stop))
+            max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, stop=list(self._own_stop),
+            tool_choice=self.tool_choice)
 
     @classmethod
     def _from_config(cls, config: AgentCacheClientConfig) -> "AgentCacheChatCompletionClient":
         return cls(runtime_for(config), agent=config.agent, default_agent=config.default_agent,
                    session=config.session, max_tokens=config.max_tokens, temperature=config.temperature,
-                   stop=config.stop)
+                   stop=config.stop, tool_choice=config.tool_choice)
 
     # --- who calls -------------------------------------------------------------------------
 
@@ -184,9 +246,17 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
                 role = "user" if message.source == "user" else "agent"
                 turns.append(ChatTurn(role, message.source, text))
             elif isinstance(message, AssistantMessage):
-                turns.append(ChatTurn("agent", message.source or agent, _text_of(message.content, index)))
+                source = message.source or agent
+                if isinstance(message.content, list) and message.content and all(
+                        isinstance(part, FunctionCall) for part in message.content):
+                    # its tool calls, after the text it wrote around them (AutoGen keeps that as the thought)
+                    turns.append(ChatTurn("agent", source, message.thought or "",
+                                          calls=_tool_calls(message.content, index)))
+                else:
+                    turns.append(ChatTurn("agent", source, _text_of(message.content, index)))
             elif isinstance(message, FunctionExecutionResultMessage):
-                turns.extend(ChatTurn("tool", result.name or "tool", result.content) for result in message.content)
+                turns.extend(ChatTurn("tool", result.name or "tool", _result_text(result, index))
+                             for result in message.content)
             else:
                 raise UnsupportedMessageError(
                     f"message {index} is a {type(message).__name__}; the agentcache client maps SystemMessage, "
@@ -201,17 +271,40 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
         json_output: Any, extra_create_args: Mapping[str, Any],
     ) -> tuple[AgentCall, SamplingParams, DispatchEvent]:
-        if json_output is not None and json_output is not False:
-            raise UnsupportedRequestError(
-                "json_output is not supported: the agentcache runtime generates free text without constrained "
-                "decoding; ask for JSON in the prompt and parse the text instead")
-        if tool_choice not in ("auto", "none"):
-            raise UnsupportedRequestError(
-                f"tool_choice={tool_choice!r} cannot be honoured: the agentcache runtime does not emit tool calls "
-                "(tool schemas are shown to the model as text only)")
+        request = self._plan(messages, tools, tool_choice, json_output, extra_create_args)
+        return request.call, request.sampling, request.event
+
+    def _plan(
+        self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
+        json_output: Any, extra_create_args: Mapping[str, Any],
+    ) -> _Request:
         unknown = set(extra_create_args) - _CREATE_ARGS
         if unknown:
             raise UnsupportedRequestError(f"unsupported create arguments {sorted(unknown)}; use {sorted(_CREATE_ARGS)}")
+        schemas = [tool.schema if isinstance(tool, Tool) else tool for tool in tools]
+        json_constraint = _json_constraint(json_output)
+        choice = self._tool_choice(tool_choice, schemas, json_constraint is not None)
+        tool_format = _tool_format(self.runtime)
+        forced = choice not in ("auto", "none")
+        label = _choice_text(tool_choice) if tool_choice == choice or isinstance(tool_choice, Tool) else \
+            f"{choice!r} (the client's own, for 'auto')"
+        if forced and json_constraint is not None:
+            raise UnsupportedRequestError(
+                f"json_output and tool_choice={label} cannot both hold: a forced tool call is "
+                "the whole output, so it cannot be JSON of another schema; ask for one or the other")
+        constraint = json_constraint
+        if forced:
+            if tool_format is None:
+                raise UnsupportedRequestError(f"tool_choice={label} cannot be honoured: "
+                                              f"{no_tool_format(self.runtime.engine.model_name)}")
+            try:
+                constraint = tool_format.constraint(schemas, choice)
+            except InputError as exc:
+                raise UnsupportedRequestError(f"tool_choice={label}: {exc}") from None
+        # Parse the output for calls when the model can write them and may here (a JSON answer is no call).
+        names = None
+        if tool_format is not None and schemas and choice != "none" and json_constraint is None:
+            names = tuple(_tool_name(schema) for schema in schemas)
         caller = self.caller()
         call = self.to_call(messages, tools, caller=caller)
         fields = {"max_tokens": self.sampling.max_tokens, "temperature": self.sampling.temperature,
@@ -221,12 +314,25 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         extra_stop = (extra_stop,) if isinstance(extra_stop, str) else tuple(extra_stop)
         # The transcript's own stop always stays: without it the model would write other agents' turns.
         fields["stop"] = tuple(dict.fromkeys((*self.sampling.stop, *extra_stop)))
-        sampling = SamplingParams(**fields)
+        sampling = SamplingParams(**fields, constraint=constraint)
         event = DispatchEvent(agent=caller.agent, session=caller.session, framework="autogen", caller=caller.id,
                               messages=len(messages))
-        return call, sampling, event
+        return _Request(call, sampling, event, names)
 
-    def _result(self, result: CallResult) -> CreateResult:
+    def _tool_choice(self, tool_choice: Any, schemas: Sequence[Mapping[str, Any]], wants_json: bool) -> str:
+        """The request's tool choice as "auto", "none", "required" or a tool's name; the client's own
+        `tool_choice` stands in for "auto" when the request has tools and asks for no JSON (a request
+        for JSON answers in JSON)."""
+        if isinstance(tool_choice, Tool):
+            return tool_choice.name
+        if tool_choice not in ("auto", "required", "none"):
+            raise UnsupportedRequestError(f"tool_choice must be 'auto', 'required', 'none' or a Tool, "
+                                          f"got {tool_choice!r}")
+        if tool_choice == "auto" and schemas and not wants_json:
+            return self.tool_choice
+        return tool_choice
+
+    def _result(self, result: CallResult, tools: tuple[str, ...] | None = None) -> CreateResult:
         completion = len(result.token_ids)
         with self._usage_lock:
             self._results.append(result)
@@ -235,10 +341,25 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
             # What the engine actually prefilled: prefix-cache hits and reused shared segments are not.
             prefilled = result.prompt_tokens - result.cached_tokens - result.reused_tokens
             self._actual = _add(self._actual, RequestUsage(prompt_tokens=prefilled, completion_tokens=completion))
+        usage = RequestUsage(prompt_tokens=result.prompt_tokens, completion_tokens=completion)
         finish: Literal["stop", "length"] = "length" if result.finish_reason == "length" else "stop"
-        return CreateResult(finish_reason=finish, content=result.text,
-                            usage=RequestUsage(prompt_tokens=result.prompt_tokens, completion_tokens=completion),
-                            cached=False)
+        tool_format = _tool_format(self.runtime)
+        if tools is None or tool_format is None:
+            return CreateResult(finish_reason=finish, content=result.text, usage=usage, cached=False)
+        parsed = tool_format.parse(result.text, tools)
+        calls = [c for c in parsed.calls if c.name in tools]
+        invalid = list(parsed.invalid) + [
+            InvalidToolCall(json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False),
+                            f"calls {c.name!r}, which is not among the request's tools {list(tools)}", c.id)
+            for c in parsed.calls if c.name not in tools]
+        if invalid:
+            with self._usage_lock:
+                self._invalid.extend(invalid)
+        if not calls:  # no call, or none that is one: the model's text, as it wrote it
+            return CreateResult(finish_reason=finish, content=result.text, usage=usage, cached=False)
+        return CreateResult(finish_reason="function_calls",
+                            content=[FunctionCall(id=c.id, name=c.name, arguments=c.arguments_json) for c in calls],
+                            thought=parsed.content or None, usage=usage, cached=False)
 
     # --- the ChatCompletionClient interface --------------------------------------------------
 
@@ -252,11 +373,11 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         extra_create_args: Mapping[str, Any] = {},
         cancellation_token: CancellationToken | None = None,
     ) -> CreateResult:
-        call, sampling, event = self._request(messages, tools, tool_choice, json_output, extra_create_args)
-        task = asyncio.ensure_future(self.runtime.arun(call, sampling, event=event))
+        request = self._plan(messages, tools, tool_choice, json_output, extra_create_args)
+        task = asyncio.ensure_future(self.runtime.arun(request.call, request.sampling, event=request.event))
         if cancellation_token is not None:
             cancellation_token.link_future(task)  # cancels the wait; the engine finishes the call it started
-        return self._result(await task)
+        return self._result(await task, request.tools)
 
     async def create_stream(
         self,
@@ -270,12 +391,28 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         include_usage: bool | None = None,
     ) -> AsyncGenerator[str | CreateResult, None]:
         """Text chunks as the engine generates them, then the `CreateResult`. A cancelled token stops
-        the stream (the engine finishes the call it started)."""
-        call, sampling, event = self._request(messages, tools, tool_choice, json_output, extra_create_args)
-        async for item in astream_call(self.runtime, call, sampling, event):
+        the stream (the engine finishes the call it started). When the output may hold tool calls,
+        nothing streams once a call begins (its text is no content); the result carries the calls,
+        or, when they were no calls, the rest of the text streams before it."""
+        request = self._plan(messages, tools, tool_choice, json_output, extra_create_args)
+        tool_format = _tool_format(self.runtime)
+        held = ContentStream(tool_format) if request.tools is not None and tool_format is not None else None
+        async for item in astream_call(self.runtime, request.call, request.sampling, request.event):
             if cancellation_token is not None and cancellation_token.is_cancelled():
                 raise asyncio.CancelledError("create_stream was cancelled")
-            yield self._result(item) if isinstance(item, CallResult) else item
+            if isinstance(item, CallResult):
+                final = self._result(item, request.tools)
+                if held is not None and isinstance(final.content, str):
+                    rest = held.rest(final.content)
+                    if rest:
+                        yield rest
+                yield final
+            elif held is None:
+                yield item
+            else:
+                chunk = held.push(item)
+                if chunk:
+                    yield chunk
 
     async def close(self) -> None:
         """Waits for a pending warm-up; the runtime stays open (other clients may share it)."""
@@ -300,12 +437,14 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
 
     @property
     def capabilities(self) -> dict[str, bool]:  # deprecated in autogen-core, still abstract there
-        return {"vision": False, "function_calling": False, "json_output": False}
+        return {"vision": False, "function_calling": _tool_format(self.runtime) is not None, "json_output": True}
 
     @property
     def model_info(self) -> ModelInfo:
-        return ModelInfo(vision=False, function_calling=False, json_output=False, family=ModelFamily.UNKNOWN,
-                         structured_output=False, multiple_system_messages=True)
+        """Tool calls where the model's chat template has a tool-call format; JSON and structured
+        output on every model (constrained decoding); text only (no vision)."""
+        return ModelInfo(vision=False, function_calling=_tool_format(self.runtime) is not None, json_output=True,
+                         family=ModelFamily.UNKNOWN, structured_output=True, multiple_system_messages=True)
 
 
 def _calling_chat_agent() -> str | None:
@@ -321,6 +460,58 @@ def _calling_chat_agent() -> str | None:
                 return candidate.name
         frame = frame.f_back
     return None
+
+
+def _tool_format(runtime: Runtime) -> ToolFormat | None:
+    return runtime.chat.tool_format if runtime.chat is not None else None
+
+
+def _tool_name(schema: Mapping[str, Any]) -> str:
+    """A tool schema's name, in AutoGen's shape or OpenAI's."""
+    function = schema.get("function") if schema.get("type") == "function" else schema
+    return str(function.get("name", "")) if isinstance(function, Mapping) else ""
+
+
+def _choice_text(tool_choice: Any) -> str:
+    return f"<tool {tool_choice.name!r}>" if isinstance(tool_choice, Tool) else repr(tool_choice)
+
+
+def _json_constraint(json_output: Any) -> OutputConstraint | None:
+    """The constraint of AutoGen's `json_output`: True, any JSON object; a pydantic model, its schema."""
+    if json_output is None or json_output is False:
+        return None
+    if json_output is True:
+        return OutputConstraint.json_object()
+    if isinstance(json_output, type) and issubclass(json_output, BaseModel):
+        return OutputConstraint.json_schema(json_output.model_json_schema())
+    raise UnsupportedRequestError(f"json_output must be a bool or a pydantic BaseModel subclass, got {json_output!r}")
+
+
+def _tool_calls(parts: Sequence[FunctionCall], index: int) -> tuple[ToolCall, ...]:
+    """An assistant message's `FunctionCall`s as tool calls; arguments that are no JSON object are refused."""
+    calls = []
+    for part in parts:
+        try:
+            arguments = json.loads(part.arguments) if part.arguments.strip() else {}
+        except ValueError as exc:
+            raise UnsupportedMessageError(f"message {index}: the arguments of the tool call {part.name!r} are not "
+                                          f"JSON ({exc})") from None
+        if not isinstance(arguments, dict):
+            raise UnsupportedMessageError(f"message {index}: the arguments of the tool call {part.name!r} are not "
+                                          f"a JSON object")
+        calls.append(ToolCall(part.name, arguments, part.id))
+    return tuple(calls)
+
+
+def _result_text(result: Any, index: int) -> str:
+    """A tool result's text; anything else (an image, a list of parts) is refused."""
+    content = getattr(result, "content", None)
+    if not isinstance(content, str):
+        raise UnsupportedMessageError(
+            f"message {index}: the result of the tool {getattr(result, 'name', None) or 'tool'!r} is a "
+            f"{type(content).__name__}, not text: the agentcache client maps text tool results only "
+            "(return a string from the tool)")
+    return content
 
 
 def _text_of(content: str | list[Any], index: int) -> str:

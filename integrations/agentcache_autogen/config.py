@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +51,8 @@ class AgentCacheClientConfig(BaseModel):
     max_tokens: int = 64
     temperature: float = 0.0
     stop: list[str] = Field(default_factory=list, description="stop strings added to the transcript's own")
+    tool_choice: Literal["auto", "required"] = Field(default="auto", description="what a request with tools that "
+                                                     "asks for 'auto' gets; 'required' forces a tool call")
 
 
 def runtime_spec(runtime: Runtime) -> dict[str, Any]:

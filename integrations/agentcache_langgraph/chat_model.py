@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.json import parse_partial_json
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
-from agentcache.errors import InputError
+from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.protocol import SamplingParams
+from agentcache.errors import InputError
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call, stream_call
+from agentcache.toolcalls import ContentStream, ParsedOutput, ToolFormat, function_tools, no_tool_format
 from agentcache.transcript import stop_strings
 
 from agentcache_langgraph.messages import AGENT_KEY, to_call
@@ -29,16 +40,15 @@ __all__ = ["AgentCacheChatModel", "UnsupportedFeatureError", "DEFAULT_AGENT"]
 FRAMEWORK = "langgraph"
 DEFAULT_AGENT = "assistant"  # who calls when no decorator, `agent=` or graph node names anyone
 _SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed")
-_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format")
+_OUTPUT_KWARGS = ("tools", "tool_choice", "response_format")  # what the output is: tool calls, JSON
+_LEGACY_KWARGS = ("functions", "function_call")  # OpenAI's pre-tools function calling
 _IGNORED_KWARGS = ("stream",)  # LangChain's own switch, already acted on when we are called
+_STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
 
 
 class UnsupportedFeatureError(NotImplementedError):
-    """A LangChain feature the agentcache runtime cannot provide (tool calls, structured output)."""
-
-
-_NO_TOOLS = ("the agentcache runtime generates plain text and cannot emit tool calls; describe the tools in "
-             "the system prompt and parse the model's text instead")
+    """A LangChain feature the agentcache runtime cannot provide for this model (tool calls on a
+    model whose chat template has no tool-call format, another model's weights, legacy functions)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,11 @@ class _Prepared:
     call: AgentCall
     sampling: SamplingParams
     event: DispatchEvent
+    tool_names: tuple[str, ...] = ()  # the tools the model may call, when its output is parsed for calls
+    tool_format: ToolFormat | None = None  # set: parse the output for tool calls
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        return None if self.tool_format is None else self.tool_format.parse(text, self.tool_names)
 
 
 def _calling_agent(tag: NodeTag | None, explicit: str | None, node: str | None) -> str:
@@ -54,6 +69,131 @@ def _calling_agent(tag: NodeTag | None, explicit: str | None, node: str | None) 
     if tag is not None:
         return tag.agent
     return explicit or node or DEFAULT_AGENT
+
+
+# --- tools, tool choice and response format ------------------------------------------------
+
+def _openai_tools(tools: Iterable[Any]) -> list[dict[str, Any]]:
+    """`tools` (LangChain tools, functions, Pydantic or TypedDict classes, JSON schemas, OpenAI-shaped
+    dicts) in the OpenAI shape. Checked when a call is made (`function_tools`: names present and
+    unique), not here: LangChain binds tools before anything runs."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
+        raise InputError(f"tools must be a list of tools, got {type(tools).__name__}")
+    shaped = []
+    for tool in tools:
+        if isinstance(tool, Mapping) and tool.get("type") == "function":
+            shaped.append(dict(tool))
+        else:
+            try:
+                shaped.append(convert_to_openai_tool(tool))
+            except (ValueError, TypeError) as exc:
+                raise InputError(f"cannot read {tool!r} as a tool: {exc}") from None
+    return shaped
+
+
+def _names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str((t.get("function") or {}).get("name")) for t in tools]
+
+
+def _tool_choice(choice: Any, names: Sequence[str]) -> str | None:
+    """LangChain's `tool_choice` as the runtime reads it: None (the model decides), "none",
+    "required" (any tool) or a tool's name. "auto" is None; "any" and "required" are "required";
+    True is the only tool; `{"type": "function", "function": {"name": ...}}` names one."""
+    if choice is None or choice == "auto":
+        return None
+    if choice is True:
+        if len(names) != 1:
+            raise InputError(f"tool_choice=True forces the single tool, but {len(names)} tools are bound {list(names)}")
+        return names[0]
+    if isinstance(choice, Mapping):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise InputError(f"tool_choice {dict(choice)!r} is not of the shape "
+                             "{'type': 'function', 'function': {'name': ...}}")
+        choice = name
+    if not isinstance(choice, str) or not choice:
+        raise InputError(f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool's name, True or "
+                         f"{{'type': 'function', 'function': {{'name': ...}}}}; got {choice!r}")
+    if choice == "none":
+        return "none"
+    if choice in ("any", "required"):
+        if not names:
+            raise InputError(f"tool_choice={choice!r} forces a tool call, but no tools are bound")
+        return "required"
+    if choice not in names:
+        raise InputError(f"tool_choice names {choice!r}, which is not among the tools {list(names)}")
+    return choice
+
+
+def _response_constraint(response_format: Any) -> OutputConstraint | None:
+    """OpenAI's `response_format`: {"type": "json_object"} (any JSON object), {"type": "json_schema",
+    "json_schema": {"schema": {...}}} (a value valid under the schema), or {"type": "text"}."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, (Mapping, str)):
+            raise InputError("response_format {'type': 'json_schema'} needs {'json_schema': {'schema': {...}}}")
+        return OutputConstraint.json_schema(dict(schema) if isinstance(schema, Mapping) else schema)
+    raise InputError(f"response_format must be {{'type': 'json_object'}}, {{'type': 'json_schema', 'json_schema': "
+                     f"{{'schema': ...}}}} or {{'type': 'text'}}; got {response_format!r}")
+
+
+def _structured_schema(schema: Any, strict: bool | None) -> dict[str, Any]:
+    """The JSON schema of a Pydantic class, TypedDict, tool or JSON-schema dict."""
+    if isinstance(schema, Mapping) and "function" not in schema and "name" not in schema and "title" not in schema:
+        return dict(schema)  # a bare JSON schema: LangChain's conversion needs a title it has not got
+    try:
+        return convert_to_json_schema(schema, strict=strict)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"cannot read {schema!r} as a schema: {exc}") from None
+
+
+def _wants_pydantic(schema: Any) -> bool:
+    return isinstance(schema, type) and is_basemodel_subclass(schema)
+
+
+# --- tool calls as LangChain reads them ---------------------------------------------------
+
+def _calls(parsed: ParsedOutput, names: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """LangChain's `tool_calls` and `invalid_tool_calls` of the parsed output. A call to a tool not
+    among `names` is invalid (with its name and arguments), as is a block that is no call."""
+    valid, invalid = [], []
+    for call in parsed.calls:
+        if call.name in names:
+            valid.append(tool_call(name=call.name, args=call.arguments, id=call.id))
+        else:
+            invalid.append(invalid_tool_call(name=call.name, args=call.arguments_json, id=call.id,
+                                             error=f"no tool named {call.name!r}; the tools are {list(names)}"))
+    for bad in parsed.invalid:
+        invalid.append(invalid_tool_call(name=None, args=bad.text, id=bad.id, error=bad.error))
+    return valid, invalid
+
+
+def _call_chunks(valid: list[dict], invalid: list[dict], tool_format: ToolFormat) -> list[dict]:
+    """The calls as `tool_call_chunks`, which LangChain turns back into the same `tool_calls` when it
+    merges a stream. An invalid call goes as its text, which reads as no JSON object and so stays
+    invalid; one whose text would read as an object (a call to an unknown tool, cut-off JSON) keeps
+    the tool-call tags around it to stay so (the merged message has no `error`: chunks cannot carry one)."""
+    chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i)
+              for i, c in enumerate(valid)]
+    for index, bad in enumerate(invalid, start=len(valid)):
+        args = bad["args"] or ""
+        try:
+            reads_as_object = isinstance(parse_partial_json(args), dict)
+        except Exception:  # noqa: BLE001 - LangChain's merge treats any failure as "not an object"
+            reads_as_object = False
+        if reads_as_object:
+            args = f"{tool_format.begin}\n{args}\n{tool_format.end}"
+        chunks.append(tool_call_chunk(name=bad["name"], args=args, id=bad["id"], index=index))
+    return chunks
 
 
 class AgentCacheChatModel(BaseChatModel):
@@ -66,9 +206,28 @@ class AgentCacheChatModel(BaseChatModel):
     and plain nodes need nothing more), else `"assistant"`. The session is the `session` field,
     else the graph run's `thread_id`.
 
-    Not supported, and refused with `UnsupportedFeatureError`: `bind_tools` (the runtime emits no
-    tool calls; put tool descriptions in the system prompt) and `with_structured_output` (no
-    constrained decoding).
+    Tool calling (`bind_tools`, `tool_choice`): on a model whose chat template has a tool-call
+    format (`runtime.chat.tool_format`; the preset "qwen2.5-coder-0.5b"), tools, the model's own
+    tool calls and tool results are rendered by that template; the reply's `<tool_call>` blocks
+    become `AIMessage.tool_calls`, and a block that is no call (bad JSON, an unknown tool) becomes
+    an `invalid_tool_calls` entry, never an error. `tool_choice` "any"/"required" or a tool's name
+    forces a call by constrained decoding, so the call is one of the tools with arguments valid
+    under its schema; "auto" (the default) lets the model decide; "none" parses nothing. Streamed
+    replies send their text up to the first `<tool_call>`; the last chunk carries
+    `tool_call_chunks` that merge to the same `tool_calls`. A model without a tool-call format
+    (a base model: Gemma 3 270M, the tiny test presets but "tiny-qwen2-chat") refuses tools with
+    `UnsupportedFeatureError`.
+
+    Structured output: `with_structured_output(schema)` with a Pydantic class, TypedDict or JSON
+    schema. `method="json_schema"` (the default) constrains the reply to the schema and works on
+    any model; `"json_mode"` constrains it to a JSON object (the prompt must ask for the keys);
+    `"function_calling"` forces a call of the schema as a tool (needs a tool-call format). The
+    same constraints are `response_format={"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"schema": ...}}` on `bind`/`invoke`. A schema the grammar compiler cannot
+    compile is an `agentcache.errors.InputError` when the call is made.
+
+    Not supported: the legacy `functions`/`function_call` arguments (use `bind_tools`), a
+    per-call `model` other than the runtime's, and non-text inputs (images, audio, files).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -106,17 +265,81 @@ class AgentCacheChatModel(BaseChatModel):
         """Token ids of `text` with the runtime's own tokenizer."""
         return self.runtime.engine.tokenize(text)
 
-    # --- refusals ------------------------------------------------------------------------
+    # --- tools and structured output -------------------------------------------------------
 
-    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, **kwargs: Any) -> Any:
-        """Refused: the runtime cannot emit tool calls. Describe tools in the system prompt instead."""
-        raise UnsupportedFeatureError(f"AgentCacheChatModel.bind_tools: {_NO_TOOLS}")
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The model's tool-call format; None: it cannot call tools."""
+        chat = self.runtime.chat
+        return None if chat is None else chat.tool_format
 
-    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
-        """Refused: the runtime has no constrained decoding. Ask for the format in the prompt and parse the text."""
-        raise UnsupportedFeatureError(
-            "AgentCacheChatModel.with_structured_output: the agentcache runtime has no constrained decoding or "
-            "tool calls; ask for the format in the prompt and parse the model's text instead")
+    def _require_tool_format(self, what: str) -> ToolFormat:
+        tool_format = self.tool_format
+        if tool_format is None:
+            reason = no_tool_format(self.runtime.engine.model_name)
+            raise UnsupportedFeatureError(f"AgentCacheChatModel {what}: {reason}")
+        return tool_format
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, strict: bool | None = None,
+                   **kwargs: Any) -> Runnable:
+        """This model with `tools` bound (LangChain tools, functions, Pydantic or TypedDict classes,
+        JSON schemas). `tool_choice`: None or "auto" (the model decides), "none" (no call),
+        "any"/"required" (some tool), a tool's name, `{"type": "function", "function": {"name": ...}}`
+        or True (the only tool). A forced call is constrained to the tools' schemas, so `strict`
+        (accepted for LangChain's signature) changes nothing. Refused (`UnsupportedFeatureError`)
+        on a model whose chat template has no tool-call format."""
+        self._require_tool_format("bind_tools")
+        shaped = _openai_tools(tools)
+        choice = _tool_choice(tool_choice, _names(shaped))
+        return self.bind(tools=shaped, **({} if choice is None else {"tool_choice": choice}), **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Any,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """A runnable that answers with `schema` (a Pydantic class: an instance; a TypedDict or JSON
+        schema: a dict). `method`: "json_schema" (default; the reply is constrained to the schema,
+        on any model), "json_mode" (constrained to a JSON object; say the keys in the prompt) or
+        "function_calling" (a forced call of the schema as a tool; needs a tool-call format).
+        `include_raw=True` returns {"raw": the AIMessage, "parsed": the value or None,
+        "parsing_error": the exception or None} instead of raising on a reply that does not parse."""
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        if method not in _STRUCTURED_METHODS:
+            raise ValueError(f"method must be one of {list(_STRUCTURED_METHODS)}, got {method!r}")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema")
+        traced = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        pydantic = _wants_pydantic(schema)
+        if method == "function_calling":
+            self._require_tool_format("with_structured_output(method='function_calling')")
+            name = _names(_openai_tools([schema]))[0]
+            model = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=traced)
+            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        else:
+            if method == "json_schema":
+                json_schema = _structured_schema(schema, strict)
+                name = str(json_schema.get("title") or "output")
+                response_format = {"type": "json_schema",
+                                   "json_schema": {"name": name, "schema": json_schema, "strict": strict}}
+            else:
+                response_format = {"type": "json_object"}
+            if schema is None:
+                traced = None
+            model = self.bind(response_format=response_format,
+                              **({} if traced is None else {"ls_structured_output_format": traced}))
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        if not include_raw:
+            return model | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=model) | parse.with_fallbacks([failed], exception_key="parsing_error")
 
     # --- one call ------------------------------------------------------------------------
 
@@ -131,27 +354,42 @@ class AgentCacheChatModel(BaseChatModel):
         session = self.session if self.session is not None else thread_id
         caller = node or (tag.function if tag is not None else None)
 
-        tool_kwargs = sorted(k for k in kwargs if k in _TOOL_KWARGS)
-        if tool_kwargs:
-            raise UnsupportedFeatureError(f"AgentCacheChatModel got {tool_kwargs}: {_NO_TOOLS}")
+        legacy = sorted(k for k in kwargs if k in _LEGACY_KWARGS)
+        if legacy:
+            raise UnsupportedFeatureError(
+                f"AgentCacheChatModel got {legacy}: OpenAI's legacy function calling is not supported; bind the "
+                "functions as tools with bind_tools(...) (and tool_choice=... to force one)")
         model = kwargs.get("model")
         if model is not None and model != self.runtime.engine.model_name:
             raise UnsupportedFeatureError(
                 f"AgentCacheChatModel got model={model!r}, but its runtime serves {self.runtime.engine.model_name!r}; "
                 "a call cannot switch weights: use an AgentCacheChatModel on a runtime of that model")
-        unknown = sorted(k for k in kwargs if k not in (*_SAMPLING_KWARGS, *_IGNORED_KWARGS, "model"))
+        unknown = sorted(k for k in kwargs if k not in (*_SAMPLING_KWARGS, *_OUTPUT_KWARGS, *_IGNORED_KWARGS, "model"))
         if unknown:
             raise TypeError(f"AgentCacheChatModel got unknown keyword arguments {unknown}; "
-                            f"it takes {list(_SAMPLING_KWARGS)} and stop")
+                            f"it takes {list(_SAMPLING_KWARGS + _OUTPUT_KWARGS)} and stop")
+
+        tools = function_tools(_openai_tools(kwargs.get("tools") or ()))
+        names = tuple(t["function"]["name"] for t in tools)
+        choice = _tool_choice(kwargs.get("tool_choice"), names)
+        tool_format = self._require_tool_format("got tools") if tools else None
+        constraint = _response_constraint(kwargs.get("response_format"))
+        if choice not in (None, "none"):
+            if constraint is not None:
+                raise InputError(f"tool_choice={choice!r} forces a tool call and response_format constrains the "
+                                 "reply to JSON; a reply cannot be both: give one of them")
+            constraint = tool_format.constraint(tools, choice)
+
         stops = self._stops(stop)
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature}
         options.update({k: kwargs[k] for k in _SAMPLING_KWARGS if k in kwargs})
-        sampling = SamplingParams(stop=stops, **options)
+        sampling = SamplingParams(stop=stops, constraint=constraint, **options)
 
-        call = to_call(messages, agent, session, self.runtime.chat)
+        call = to_call(messages, agent, session, self.runtime.chat, tools=tools)
         event = DispatchEvent(agent=agent, session=session, framework=FRAMEWORK, caller=caller,
                               messages=len(messages))
-        return _Prepared(call, sampling, event)
+        parsing = tool_format if tools and choice != "none" else None
+        return _Prepared(call, sampling, event, names, parsing)
 
     def _message_fields(self, result: CallResult, session: str | None) -> dict[str, Any]:
         """Name and metadata of the reply: timings, cache figures and per-segment decisions."""
@@ -178,17 +416,40 @@ class AgentCacheChatModel(BaseChatModel):
         }
 
     def _chat_result(self, result: CallResult, prepared: _Prepared) -> ChatResult:
-        message = AIMessage(content=result.text, **self._message_fields(result, prepared.call.session))
+        fields = self._message_fields(result, prepared.call.session)
+        parsed = prepared.parse(result.text)
+        if parsed is None:
+            message = AIMessage(content=result.text, **fields)
+        else:
+            valid, invalid = _calls(parsed, prepared.tool_names)
+            message = AIMessage(content=parsed.content, tool_calls=valid, invalid_tool_calls=invalid, **fields)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.runtime.engine.model_name})
 
     def _chunk(self, text: str, agent: str) -> ChatGenerationChunk:
         return ChatGenerationChunk(message=AIMessageChunk(content=text, name=agent))
 
-    def _last_chunk(self, result: CallResult, prepared: _Prepared) -> ChatGenerationChunk:
-        """The call's metadata, with no text of its own; LangChain merges it into the message."""
+    def _last_chunk(self, result: CallResult, prepared: _Prepared,
+                    content: ContentStream | None) -> ChatGenerationChunk:
+        """The call's metadata and, for a reply parsed for tool calls, the rest of its content and
+        its calls as `tool_call_chunks`; LangChain merges it into the message."""
         fields = self._message_fields(result, prepared.call.session)
-        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
+        parsed = prepared.parse(result.text)
+        if parsed is None or content is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
+        valid, invalid = _calls(parsed, prepared.tool_names)
+        chunks = _call_chunks(valid, invalid, prepared.tool_format)
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content=content.rest(parsed.content), tool_call_chunks=chunks, chunk_position="last", **fields))
+
+    def _chunks(self, item: str | CallResult, prepared: _Prepared,
+                content: ContentStream | None) -> Iterator[ChatGenerationChunk]:
+        if isinstance(item, CallResult):
+            yield self._last_chunk(item, prepared, content)
+            return
+        text = item if content is None else content.push(item)
+        if text:
+            yield self._chunk(text, prepared.call.agent)
 
     def _generate(
         self,
@@ -221,13 +482,12 @@ class AgentCacheChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        """Token by token (the call runs on a worker thread; see `agentcache.streaming`)."""
+        """Token by token (the call runs on a worker thread; see `agentcache.streaming`). A reply
+        parsed for tool calls streams its text up to the first tool-call tag."""
         prepared = self._prepare(messages, stop, kwargs)
+        content = None if prepared.tool_format is None else ContentStream(prepared.tool_format)
         for item in stream_call(self.runtime, prepared.call, prepared.sampling, prepared.event):
-            if isinstance(item, CallResult):
-                yield self._last_chunk(item, prepared)
-            else:
-                yield self._chunk(item, prepared.call.agent)
+            yield from self._chunks(item, prepared, content)
 
     async def _astream(
         self,
@@ -238,8 +498,7 @@ class AgentCacheChatModel(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Token by token without blocking the event loop."""
         prepared = self._prepare(messages, stop, kwargs)
+        content = None if prepared.tool_format is None else ContentStream(prepared.tool_format)
         async for item in astream_call(self.runtime, prepared.call, prepared.sampling, prepared.event):
-            if isinstance(item, CallResult):
-                yield self._last_chunk(item, prepared)
-            else:
-                yield self._chunk(item, prepared.call.agent)
+            for chunk in self._chunks(item, prepared, content):
+                yield chunk
