@@ -137,6 +137,31 @@ def test_inject_is_trimmed_at_the_prefix_hit_found_at_admission(engine):
     assert close(dense.last_logits, result.last_logits) and dense.token_ids == result.token_ids
 
 
+def test_a_lookup_limit_makes_injected_kv_count_where_the_cache_holds_exact_blocks(engine):
+    """A prompt whose exact blocks are all cached, replayed with its query injected as KV of
+    another context: without a limit the cache serves the query exactly (the injected KV is
+    unused); with `lookup_limit` at the query's start the injected KV is what the call computes with."""
+    segments = three_segments(engine, seed=5)
+    sys_ids, query_ids, glue_ids = (s.token_ids for s in segments)
+    exact = engine.execute(ExecRequest(with_steps(segments, Step.PREFIX), GREEDY))  # caches every full block
+    other = engine_variant(engine, pool_blocks=64).execute(ExecRequest(  # the query after another system prompt
+        [SegmentPlan("sys", engine.tokenize("Another prompt entirely. " * 3, bos=True)),
+         SegmentPlan("query", query_ids), SegmentPlan("glue", glue_ids)], GREEDY))
+    plan = [SegmentPlan("sys", sys_ids, Step.PREFIX), SegmentPlan("query", query_ids, Step.INJECT, other.segments[1].kv),
+            SegmentPlan("glue", glue_ids, Step.PREFIX)]
+    served = engine.execute(ExecRequest(plan, GREEDY))
+    assert served.segments[1].cached_tokens >= len(query_ids) - engine.block_size  # all but a partial block
+    limited = engine.execute(ExecRequest(plan, GREEDY, lookup_limit=len(sys_ids)))
+    assert limited.cached_tokens <= len(sys_ids) and limited.segments[1].injected_tokens == len(query_ids)
+
+    def deviation(result) -> float:
+        return float((result.last_logits - exact.last_logits).abs().max())
+
+    assert deviation(limited) > 3 * deviation(served)  # computed with the other context's KV
+    with pytest.raises(PlanError, match="lookup_limit"):
+        ExecRequest(plan, GREEDY, lookup_limit=-1)
+
+
 @pytest.mark.parametrize("chunk", [512, 3])
 def test_glue_between_injected_segments_equals_dense(engine, chunk):
     """[sys][A inject][glue][B inject][glue][C inject][ask]: the glue and the ask are computed in one

@@ -39,7 +39,10 @@ def shadow_run(engine: Engine, served: Served, index: int, shared: int, reused: 
             tokens = tokens[shared:]
         if tokens:
             plans.append(SegmentPlan(seg.name, tokens, Step.PREFIX, capture=False))
-    shadow = _replay(engine, served, plans)
+    # The dense call just cached this very prompt's exact blocks: served from them, the shadow would
+    # judge exact KV instead of the reused one. The cache serves it up to the reused segment only.
+    start = sum(len(tokens) for tokens in call.token_lists[:index])
+    shadow = _replay(engine, served, plans, lookup_limit=start)
     return compare_outputs(method, served.result.last_logits, _greedy_tokens(served, served.result),
                            shadow.last_logits, shadow.token_ids)
 
@@ -65,11 +68,11 @@ def exact_reference(served: Served, index: int) -> bool:
     return not any(o.lineage_tokens for parts in served.outcomes for o in parts)
 
 
-def _replay(engine: Engine, served: Served, plans: list[SegmentPlan]) -> ExecResult:
+def _replay(engine: Engine, served: Served, plans: list[SegmentPlan], lookup_limit: int | None = None) -> ExecResult:
     tokens = max(1, min(SHADOW_TOKENS, len(served.result.token_ids))) if served.greedy else 1
     return engine.execute(ExecRequest(
         plans, SamplingParams(max_tokens=tokens), cache_salt=tenant_salt(served.call.scope.tenant),
-        internal=True, capture_kv=False, priority=REPLAY_PRIORITY))  # lineage None: nothing approximate is cached
+        internal=True, capture_kv=False, priority=REPLAY_PRIORITY, lookup_limit=lookup_limit))  # lineage None: nothing approximate is cached
 
 
 def _greedy_tokens(served: Served, reference: ExecResult) -> list[int] | None:

@@ -187,6 +187,9 @@ class ExecRequest:
     hidden_layer: int | None = None
     # called with each generated token, on the engine's loop thread: it must be quick (hand the token on)
     on_token: Callable[[int], None] | None = field(default=None, compare=False)
+    # the prefix cache serves no position at or past this one (None: up to the first DENSE segment):
+    # a replay that judges injected KV must compute with it, not with the exact blocks a dense call cached
+    lookup_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -200,6 +203,8 @@ class ExecRequest:
         if (any(isinstance(seg.recompute, TokenRecompute) for seg in self.segments)
                 and any(isinstance(seg.recompute, LayerRecompute) for seg in self.segments)):
             raise PlanError("a call recomputes either tokens (TokenRecompute) or layers (LayerRecompute), not both")
+        if self.lookup_limit is not None and (type(self.lookup_limit) is not int or self.lookup_limit < 0):
+            raise PlanError(f"ExecRequest.lookup_limit must be an int >= 0 or None, got {self.lookup_limit!r}")
         if self.on_token is not None and not callable(self.on_token):
             raise PlanError(f"ExecRequest.on_token must be callable or None, got {type(self.on_token).__name__}")
         for name in ("lineage", "cache_salt", "owner", "session"):

@@ -183,6 +183,8 @@ class BatchScheduler:
             if seg.step is Step.DENSE:
                 break
             lookup += len(seg.token_ids)
+        if request.lookup_limit is not None:
+            lookup = min(lookup, request.lookup_limit)
         lease = self.cache.admit(prompt, lookup, lineage=request.lineage, namespace=request.cache_salt,
                                  owner=request.owner, session=request.session, warmup=request.uncounted)
         try:

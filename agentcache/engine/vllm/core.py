@@ -481,13 +481,16 @@ def _weights_key(directory: Path) -> bytes:
 
 def _lookup_limit(request: ExecRequest) -> int | None:
     """Where the cache may serve a call no further: its first DENSE segment (the leading PREFIX and
-    INJECT segments are looked up; a DENSE one is computed under its real context)."""
+    INJECT segments are looked up; a DENSE one is computed under its real context), or the
+    request's own `lookup_limit` when that comes first."""
     start = 0
     for seg in request.segments:
         if seg.step is Step.DENSE:
-            return start
+            break
         start += len(seg.token_ids)
-    return None
+    else:
+        return request.lookup_limit
+    return start if request.lookup_limit is None else min(start, request.lookup_limit)
 
 
 def _injected_positions(claims: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> set[int]:
