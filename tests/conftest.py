@@ -140,3 +140,18 @@ def chatml_engine(**config) -> EmbeddedEngine:
     loaded.tokenizer.chat_template = _CHATML_TEMPLATE
     loaded.model.config.eos_token_id = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
     return EmbeddedEngine(loaded, EngineConfig(**{"pool_blocks": 128, **config}))
+
+
+def load_benchmark(monkeypatch, name: str):
+    """benchmarks/<name>.py as a module, for tests that run a benchmark in-process."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))  # the benchmarks import their `_report` helper by name
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module

@@ -4,15 +4,13 @@ speedup is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.conftest import load_benchmark
+
 TOP_KEYS = {"worst_ttft_ratio", "worst_wall_ratio", "long_context_consumer_ttft_ratio", "long_context_wall_ratio",
             "warm_start_first_workflow_ttft_ratio", "greedy_agreement", "anchor_bytes_per_kv_byte", "model", "engine",
             "machine", "workloads", "elapsed_s", "aims", "aims_met", "sizes"}
@@ -26,12 +24,7 @@ TINY = ["--quick", "--model", "tiny-llama", "--doc-tokens", "64,128", "--workflo
 
 @pytest.fixture
 def economics(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their `_report` helper by name
-    spec = importlib.util.spec_from_file_location("economics_bench", BENCHMARKS / "economics.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "economics")
 
 
 def _positive_or_none(value) -> bool:

@@ -4,14 +4,12 @@ weights say nothing about speed or accuracy, so neither is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.conftest import load_benchmark
+
 KEYS = {"valid_tool_call_rate_constrained", "valid_tool_call_rate_unconstrained", "task_accuracy",
         "after_tool_result_ttft_ratio", "after_tool_result_wall_ratio", "after_tool_result_prefill_ratio",
         "greedy_agreement", "tool_calls_made", "grammar_mask_overhead", "aims", "aims_met", "model", "engine",
@@ -20,12 +18,7 @@ KEYS = {"valid_tool_call_rate_constrained", "valid_tool_call_rate_unconstrained"
 
 @pytest.fixture
 def tools_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their `_report` helper by name
-    spec = importlib.util.spec_from_file_location("tools_bench", BENCHMARKS / "tools.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "tools")
 
 
 def test_tools_quick_reports_valid_constrained_calls_and_consistent_figures(tools_bench, capsys, tmp_path):

@@ -1,13 +1,13 @@
 """The research team as a LangGraph graph over one message list:
 
-    searcher (calls lookup_directory) -> tools -> searcher (reads the result) -> analyst -> checker -> writer
+    searcher (calls lookup_directory) -> tools -> analyst -> checker -> writer
 
 The searcher's model is bound to the tool with `tool_choice="lookup_directory"`: its first
 answer is a call, written under the model's tool-call grammar. `ToolNode` runs the tool; its
 `ToolMessage` (the directory) joins the shared messages, where every later agent reads it: PH
 `tool:lookup_directory`, the long shared context KVCMAS corrects instead of prefilling again.
-The searcher then reads the result without tools bound (as AutoGen's reflection does), and each
-reader answers after the others.
+Each reader answers after the others: the analyst reads the result first (it is new to the
+session, so it prefills it under any strategy), the checker and the writer after it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ SEARCHER = "searcher"
 READERS = ("analyst", "checker", "writer")
 AGENTS = (SEARCHER, *READERS)
 SYSTEM = {
-    SEARCHER: "You are the searcher. Call the lookup_directory tool to find a person. Once you have the tool's "
-              "result, reply in words: The locker code of <name> is <code>.",
+    SEARCHER: "You are the searcher. Call the lookup_directory tool to find the person asked about.",
     "analyst": "You are the analyst. Read the directory and give the locker code asked for.",
     "checker": "You are the checker. Check the directory again and state the correct locker code.",
     "writer": "You are the writer. Give the final answer: the locker code, as a number.",
@@ -59,7 +58,6 @@ def build_team(runtime: Runtime, directory: Callable[[str], str], *, call_tokens
         return AgentCacheChatModel(runtime=runtime, agent=agent, max_tokens=tokens)
 
     caller = model(SEARCHER, call_tokens).bind_tools([lookup_directory], tool_choice="lookup_directory")
-    searcher = model(SEARCHER, answer_tokens)
 
     def call(state: ResearchState) -> dict[str, Any]:
         return {"messages": [caller.invoke([SystemMessage(SYSTEM[SEARCHER]), *state["messages"]])]}
@@ -72,14 +70,12 @@ def build_team(runtime: Runtime, directory: Callable[[str], str], *, call_tokens
     graph = StateGraph(ResearchState)
     graph.add_node("search", call)
     graph.add_node("tools", ToolNode([lookup_directory]))
-    graph.add_node("read_result", answer(SEARCHER, searcher))
-    previous = "read_result"
+    previous = "tools"
     for reader in READERS:
         graph.add_node(reader, answer(reader, model(reader, answer_tokens)))
         graph.add_edge(previous, reader)
         previous = reader
     graph.add_edge(START, "search")
     graph.add_edge("search", "tools")
-    graph.add_edge("tools", "read_result")
     graph.add_edge(previous, END)
     return graph.compile()
