@@ -86,8 +86,9 @@ class TestAgentCacheChatModelIntegration(_TinyLlama, ChatModelIntegrationTests):
 # --- the real model, with tool calls ------------------------------------------------------
 
 _QWEN_TESTS = ("tool", "structured", "json", "agent_loop")  # the integration tests Qwen runs
-_UNFORCED = ("Qwen2.5-Coder-0.5B-Instruct writes an unforced call as bare JSON without its template's <tool_call> "
-             "tags (transformers' generate gives the same text), so with tool_choice=None it makes no tool call")
+_UNFORCED = ("asked 'What is the weather in San Francisco, CA?' with no system prompt and no tool_choice, "
+             "Qwen2.5-Coder-0.5B-Instruct answers without calling get_weather (LangChain's own advice for a model "
+             "that does not consistently call tools: xfail); forced, it calls it (test_tool_choice passes)")
 
 
 class _Qwen(_Declared):
