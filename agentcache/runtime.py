@@ -43,6 +43,7 @@ from agentcache.scout.recorder import TraceRecorder
 from agentcache.segments import AgentCall, DispatchEvent, Segment
 from agentcache.selfcheck import CheckReport, vet_strategy
 from agentcache.sessions import SessionTable
+from agentcache.toolcalls import ToolFormat
 from agentcache.transcript import ChatML, chat_format
 
 __all__ = ["Runtime", "RuntimeConfig"]
@@ -252,6 +253,11 @@ class Runtime:
         return outcome
 
     # --- records, sessions, warm-up, gate ------------------------------------------------
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The model's tool-call format (from its chat template); None: it cannot call tools."""
+        return None if self.chat is None else self.chat.tool_format
 
     @property
     def results(self) -> list[CallResult]:

@@ -68,6 +68,14 @@ def document_problem(seed: int, people: int = 60) -> Problem:
     return Problem(text, codes[target], f"the locker code of {full_names[target]} is")
 
 
+def directory_people(tokenize: Callable[[str], list[int]], tokens: int, minimum: int = 1) -> int:
+    """People in a `document_problem` of about `tokens` tokens on this tokenizer (at least
+    `minimum`, at most 240): the directory's length is linear in its people."""
+    small, large = (len(tokenize(document_problem(0, people=p).text)) for p in (2, 6))
+    per_person = (large - small) / 4
+    return int(min(240, max(minimum, round(2 + (tokens - small) / per_person))))
+
+
 def arithmetic_problem(seed: int) -> Problem:
     rng = random.Random(seed)
     name = rng.choice(_NAMES)

@@ -20,6 +20,7 @@ Parsing is ours: a JSON object between the tags is a call; anything else between
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -48,9 +49,10 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class InvalidToolCall:
-    text: str  # what the model wrote between the tags
+    text: str  # what the model wrote between the tags; a call of a tool not offered: its arguments
     error: str
     id: str
+    name: str | None = None  # the tool it named, when it is a call of a tool not offered
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,13 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return shaped
 
 
+@functools.lru_cache(maxsize=8)
+def _block_pattern(begin: str, end: str) -> re.Pattern[str]:
+    """A call block; an unclosed last one ends at the text's end, less a cut-off start of the end tag."""
+    cut = "|".join(re.escape(end[:n]) for n in range(len(end) - 1, 0, -1))
+    return re.compile(re.escape(begin) + r"(.*?)(?:" + re.escape(end) + r"|\s*(?:" + cut + r")?\Z)", re.DOTALL)
+
+
 def _bare_call(text: str, tool_names: Sequence[str]) -> ToolCall | None:
     stripped = text.strip()
     if not tool_names or not stripped.startswith("{"):
@@ -127,6 +136,7 @@ class ToolFormat:
 
     def parse(self, text: str, tool_names: Sequence[str] = ()) -> ParsedOutput:
         """The calls in `text` and the text around them. An unclosed last block is parsed to the end.
+        With `tool_names` (the tools offered), a call of any other tool is invalid.
 
         A small model sometimes writes its call without the tags: an answer that is nothing but
         `{"name": <one of tool_names>, "arguments": {...}}` is read as that call."""
@@ -137,7 +147,7 @@ class ToolFormat:
         invalid: list[InvalidToolCall] = []
         content: list[str] = []
         cursor = 0
-        for match in self._blocks.finditer(text):
+        for match in _block_pattern(self.begin, self.end).finditer(text):
             content.append(text[cursor:match.start()])
             cursor = match.end()
             body = match.group(1).strip()
@@ -158,16 +168,14 @@ class ToolFormat:
             if not isinstance(arguments, dict):
                 invalid.append(InvalidToolCall(body, '"arguments" is not a JSON object', _call_id()))
                 continue
+            if tool_names and value["name"] not in tool_names:
+                invalid.append(InvalidToolCall(json.dumps(arguments, ensure_ascii=False),
+                                               f"no tool named {value['name']!r}; the tools are {list(tool_names)}",
+                                               _call_id(), value["name"]))
+                continue
             calls.append(ToolCall(value["name"], arguments, _call_id()))
         content.append(text[cursor:])
         return ParsedOutput("".join(content).strip(), tuple(calls), tuple(invalid))
-
-    @property
-    def _blocks(self) -> re.Pattern[str]:
-        # an unclosed last block ends at the text's end, less a cut-off start of the end tag
-        cut = "|".join(re.escape(self.end[:n]) for n in range(len(self.end) - 1, 0, -1))
-        return re.compile(re.escape(self.begin) + r"(.*?)(?:" + re.escape(self.end) + r"|\s*(?:" + cut + r")?\Z)",
-                          re.DOTALL)
 
     def constraint(self, tools: Sequence[Mapping[str, Any]], choice: str | None) -> OutputConstraint | None:
         """The constraint that makes the model call a tool: `choice` "required" (any of `tools`) or

@@ -109,12 +109,11 @@ class ChatML:
 
     def system_with_tools(self, system: str, tools: Sequence[Mapping[str, Any]]) -> list["Segment"]:
         """The system turn with the template's tool section, as PF segments (the agent's own)."""
-        shaped = function_tools(tools)
-        written = json.dumps(shaped, ensure_ascii=False)
+        written = json.dumps(function_tools(tools))  # the control spellings are ASCII: escaping keeps them
         if _START in written or _END in written:
             raise InputError("a tool schema spells a ChatML control token (<|im_start|> or <|im_end|>); "
                              "tool schemas are text and cannot hold one")
-        before, after = _system_frames(self.template, json.dumps(shaped), bool(system))
+        before, after = _system_frames(self.template, written, bool(system))
         # One literal run from the last control token before the system text to the first after it,
         # tokenized whole as the template's own tokenization does ("." and "\n\n" may join).
         *lead, opening = _CONTROL_SPLIT.split(before)

@@ -87,7 +87,7 @@ from agentcache.models import DEFAULT_MODEL
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import check_model
-from agentcache.tasks import document_problem, fact_problem, gsm8k_style_problem
+from agentcache.tasks import directory_people, document_problem, fact_problem, gsm8k_style_problem
 
 KVCMAS, NONSHARED = "kvcmas", "nonshared"
 STRATEGIES = (KVCMAS, NONSHARED)
@@ -269,13 +269,6 @@ class Setup:
     def order(self) -> tuple[str, ...]:
         self.turn += 1
         return STRATEGIES if self.turn % 2 else STRATEGIES[::-1]
-
-
-def people_for(engine: Any, tokens: int) -> int:
-    """People per staff directory for a document of about `tokens` tokens on this tokenizer."""
-    small, large = (len(engine.tokenize(document_problem(0, people=p).text)) for p in (2, 6))
-    per_person = (large - small) / 4
-    return int(min(240, max(1, round(2 + (tokens - small) / per_person))))
 
 
 def flow_of(name: str, setup: Setup) -> tuple[Callable[..., Awaitable[list[Turn]]], tuple]:
@@ -499,7 +492,7 @@ def run(args: argparse.Namespace) -> dict:
     chosen = args.workloads
     for name, position in LONG_DOCS.items():
         if name in chosen or (name == "long_doc_1k" and {"cold_start", "warm_start", "tool_fanout"} & set(chosen)):
-            setup.people[name] = people_for(base, args.doc_tokens[position])
+            setup.people[name] = directory_people(base.tokenize, args.doc_tokens[position])
 
     workloads: dict[str, dict] = {}
     pairs: dict[tuple, bool] = {}

@@ -57,7 +57,7 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.selfcheck import check_model
-from agentcache.tasks import document_problem
+from agentcache.tasks import directory_people, document_problem
 from agentcache.toolcalls import ToolCall, ToolFormat
 from agentcache.transcript import ChatTurn, build_call
 
@@ -220,17 +220,17 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     settings = {"threads": args.threads} if args.threads else {}
     base = open_engine(args.engine, args.model, **settings)
-    args.people = people_for(base, args.doc_tokens)
+    args.people = directory_people(base.tokenize, args.doc_tokens, minimum=3)
     threads = args.threads or getattr(base, "threads", None)
     if threads:
         torch.set_num_threads(threads)
     check = check_model(base) if args.check else None
     config = None if args.check else dataclasses.replace(RuntimeConfig(), self_check=False)
     probe = Runtime(base, strategy=NONSHARED, check=check, config=config)
-    if probe.chat is None or probe.chat.tool_format is None:
+    if probe.tool_format is None:
         raise SystemExit(f"{base.model_name} has no tool-call format in its chat template; use --model "
                          "qwen2.5-coder-0.5b or tiny-qwen2-chat")
-    bench = Bench(base, probe.chat.tool_format, args, check, config)
+    bench = Bench(base, probe.tool_format, args, check, config)
     runtimes = {s: bench.runtime(s) for s in (KVCMAS, NONSHARED)}
 
     correct = {KVCMAS: [], NONSHARED: []}
@@ -296,12 +296,6 @@ def run(args: argparse.Namespace) -> dict:
         elapsed_s=round(time.perf_counter() - started, 2),
     )
     return result
-
-
-def people_for(engine: Any, tokens: int) -> int:
-    """Directory people for a tool result of about `tokens` tokens on this tokenizer."""
-    per_person = len(engine.tokenize(document_problem(0, 20).text)) / 20
-    return max(3, round(tokens / per_person))
 
 
 def main(argv: list[str] | None = None) -> dict:

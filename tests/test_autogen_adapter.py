@@ -469,7 +469,7 @@ def test_concurrent_creates_and_teams_on_one_runtime():
 
 def test_a_callers_stop_strings_join_the_transcript_stop():
     client = AgentCacheChatCompletionClient(runtime(), agent="planner")
-    _, sampling, _ = client._request([UserMessage(content=TASK, source="user")], [], "auto", None, {"stop": "END"})
+    sampling = client._plan([UserMessage(content=TASK, source="user")], [], "auto", None, {"stop": "END"}).sampling
     assert sampling.stop == ("\n###", "END")  # without "\n###" the model would write other agents' turns
 
 
@@ -505,7 +505,7 @@ def test_building_a_selector_call_never_waits_for_a_running_call():
 @pytest.mark.parametrize("stop, want", [([], ("\n###",)), ("END", ("\n###", "END")), (["A", "B"], ("\n###", "A", "B"))])
 def test_constructor_stop_strings_join_the_transcript_stop(stop, want):
     client = AgentCacheChatCompletionClient(runtime(), agent="planner", stop=stop)
-    _, sampling, _ = client._request([UserMessage(content=TASK, source="user")], [], "auto", None, {})
+    sampling = client._plan([UserMessage(content=TASK, source="user")], [], "auto", None, {}).sampling
     assert sampling.stop == want and client.for_agent("local").sampling.stop == want
 
 

@@ -84,7 +84,7 @@ from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call
-from agentcache.toolcalls import ContentStream, InvalidToolCall, ToolCall, ToolFormat, no_tool_format
+from agentcache.toolcalls import ContentStream, InvalidToolCall, ToolCall, no_tool_format
 from agentcache.transcript import ChatTurn, UnsupportedMessageError, build_call, stop_strings
 
 from agentcache_autogen.config import DEFAULT_AGENT, AgentCacheClientConfig, remember, runtime_for, runtime_spec
@@ -153,7 +153,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         if tool_choice not in _CLIENT_TOOL_CHOICES:
             raise InputError(f"AgentCacheChatCompletionClient(tool_choice=...) must be one of "
                              f"{list(_CLIENT_TOOL_CHOICES)}, got {tool_choice!r}")
-        if tool_choice == "required" and _tool_format(runtime) is None:
+        if tool_choice == "required" and runtime.tool_format is None:
             raise InputError(f"AgentCacheChatCompletionClient(tool_choice='required'): "
                              f"{no_tool_format(runtime.engine.model_name)}")
         self.runtime = runtime
@@ -267,13 +267,6 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         return build_call(agent, system, turns, tools=schemas, session=caller.session, known=known,
                           chat=self.runtime.chat)
 
-    def _request(
-        self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
-        json_output: Any, extra_create_args: Mapping[str, Any],
-    ) -> tuple[AgentCall, SamplingParams, DispatchEvent]:
-        request = self._plan(messages, tools, tool_choice, json_output, extra_create_args)
-        return request.call, request.sampling, request.event
-
     def _plan(
         self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema], tool_choice: Any,
         json_output: Any, extra_create_args: Mapping[str, Any],
@@ -284,7 +277,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         schemas = [tool.schema if isinstance(tool, Tool) else tool for tool in tools]
         json_constraint = _json_constraint(json_output)
         choice = self._tool_choice(tool_choice, schemas, json_constraint is not None)
-        tool_format = _tool_format(self.runtime)
+        tool_format = self.runtime.tool_format
         forced = choice not in ("auto", "none")
         label = _choice_text(tool_choice) if tool_choice == choice or isinstance(tool_choice, Tool) else \
             f"{choice!r} (the client's own, for 'auto')"
@@ -343,18 +336,14 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
             self._actual = _add(self._actual, RequestUsage(prompt_tokens=prefilled, completion_tokens=completion))
         usage = RequestUsage(prompt_tokens=result.prompt_tokens, completion_tokens=completion)
         finish: Literal["stop", "length"] = "length" if result.finish_reason == "length" else "stop"
-        tool_format = _tool_format(self.runtime)
+        tool_format = self.runtime.tool_format
         if tools is None or tool_format is None:
             return CreateResult(finish_reason=finish, content=result.text, usage=usage, cached=False)
-        parsed = tool_format.parse(result.text, tools)
-        calls = [c for c in parsed.calls if c.name in tools]
-        invalid = list(parsed.invalid) + [
-            InvalidToolCall(json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False),
-                            f"calls {c.name!r}, which is not among the request's tools {list(tools)}", c.id)
-            for c in parsed.calls if c.name not in tools]
-        if invalid:
+        parsed = tool_format.parse(result.text, tools)  # a call of a tool not offered is invalid
+        calls = parsed.calls
+        if parsed.invalid:
             with self._usage_lock:
-                self._invalid.extend(invalid)
+                self._invalid.extend(parsed.invalid)
         if not calls:  # no call, or none that is one: the model's text, as it wrote it
             return CreateResult(finish_reason=finish, content=result.text, usage=usage, cached=False)
         return CreateResult(finish_reason="function_calls",
@@ -395,7 +384,7 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
         nothing streams once a call begins (its text is no content); the result carries the calls,
         or, when they were no calls, the rest of the text streams before it."""
         request = self._plan(messages, tools, tool_choice, json_output, extra_create_args)
-        tool_format = _tool_format(self.runtime)
+        tool_format = self.runtime.tool_format
         held = ContentStream(tool_format) if request.tools is not None and tool_format is not None else None
         async for item in astream_call(self.runtime, request.call, request.sampling, request.event):
             if cancellation_token is not None and cancellation_token.is_cancelled():
@@ -437,13 +426,13 @@ class AgentCacheChatCompletionClient(ChatCompletionClient, Component[AgentCacheC
 
     @property
     def capabilities(self) -> dict[str, bool]:  # deprecated in autogen-core, still abstract there
-        return {"vision": False, "function_calling": _tool_format(self.runtime) is not None, "json_output": True}
+        return {"vision": False, "function_calling": self.runtime.tool_format is not None, "json_output": True}
 
     @property
     def model_info(self) -> ModelInfo:
         """Tool calls where the model's chat template has a tool-call format; JSON and structured
         output on every model (constrained decoding); text only (no vision)."""
-        return ModelInfo(vision=False, function_calling=_tool_format(self.runtime) is not None, json_output=True,
+        return ModelInfo(vision=False, function_calling=self.runtime.tool_format is not None, json_output=True,
                          family=ModelFamily.UNKNOWN, structured_output=True, multiple_system_messages=True)
 
 
@@ -460,10 +449,6 @@ def _calling_chat_agent() -> str | None:
                 return candidate.name
         frame = frame.f_back
     return None
-
-
-def _tool_format(runtime: Runtime) -> ToolFormat | None:
-    return runtime.chat.tool_format if runtime.chat is not None else None
 
 
 def _tool_name(schema: Mapping[str, Any]) -> str:

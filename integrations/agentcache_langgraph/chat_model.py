@@ -162,18 +162,11 @@ def _wants_pydantic(schema: Any) -> bool:
 
 # --- tool calls as LangChain reads them ---------------------------------------------------
 
-def _calls(parsed: ParsedOutput, names: Sequence[str]) -> tuple[list[dict], list[dict]]:
-    """LangChain's `tool_calls` and `invalid_tool_calls` of the parsed output. A call to a tool not
-    among `names` is invalid (with its name and arguments), as is a block that is no call."""
-    valid, invalid = [], []
-    for call in parsed.calls:
-        if call.name in names:
-            valid.append(tool_call(name=call.name, args=call.arguments, id=call.id))
-        else:
-            invalid.append(invalid_tool_call(name=call.name, args=call.arguments_json, id=call.id,
-                                             error=f"no tool named {call.name!r}; the tools are {list(names)}"))
-    for bad in parsed.invalid:
-        invalid.append(invalid_tool_call(name=None, args=bad.text, id=bad.id, error=bad.error))
+def _calls(parsed: ParsedOutput) -> tuple[list[dict], list[dict]]:
+    """LangChain's `tool_calls` and `invalid_tool_calls` of the parsed output (a call of a tool not
+    offered is invalid, with its name and arguments; a block that is no call, with its text)."""
+    valid = [tool_call(name=call.name, args=call.arguments, id=call.id) for call in parsed.calls]
+    invalid = [invalid_tool_call(name=bad.name, args=bad.text, id=bad.id, error=bad.error) for bad in parsed.invalid]
     return valid, invalid
 
 
@@ -267,14 +260,8 @@ class AgentCacheChatModel(BaseChatModel):
 
     # --- tools and structured output -------------------------------------------------------
 
-    @property
-    def tool_format(self) -> ToolFormat | None:
-        """The model's tool-call format; None: it cannot call tools."""
-        chat = self.runtime.chat
-        return None if chat is None else chat.tool_format
-
     def _require_tool_format(self, what: str) -> ToolFormat:
-        tool_format = self.tool_format
+        tool_format = self.runtime.tool_format
         if tool_format is None:
             reason = no_tool_format(self.runtime.engine.model_name)
             raise UnsupportedFeatureError(f"AgentCacheChatModel {what}: {reason}")
@@ -421,7 +408,7 @@ class AgentCacheChatModel(BaseChatModel):
         if parsed is None:
             message = AIMessage(content=result.text, **fields)
         else:
-            valid, invalid = _calls(parsed, prepared.tool_names)
+            valid, invalid = _calls(parsed)
             message = AIMessage(content=parsed.content, tool_calls=valid, invalid_tool_calls=invalid, **fields)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.runtime.engine.model_name})
@@ -437,7 +424,7 @@ class AgentCacheChatModel(BaseChatModel):
         parsed = prepared.parse(result.text)
         if parsed is None or content is None:
             return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
-        valid, invalid = _calls(parsed, prepared.tool_names)
+        valid, invalid = _calls(parsed)
         chunks = _call_chunks(valid, invalid, prepared.tool_format)
         return ChatGenerationChunk(message=AIMessageChunk(
             content=content.rest(parsed.content), tool_call_chunks=chunks, chunk_position="last", **fields))

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from langchain_core.messages import AIMessage, HumanMessage
 
 from agentcache.engine.choice import ENGINE_KINDS
-from agentcache.tasks import document_problem
+from agentcache.tasks import directory_people, document_problem
 from samples._compare import StrategyRuns, answer_scores, format_table, progress, runtime_figures, write_report
 from samples.document_team.run import stated_code
 from samples.research_team.graph import READERS, build_team
@@ -40,12 +40,6 @@ COLUMNS = (
 )
 
 
-def people_for(tokens: int, tokenize) -> int:
-    """Directory people for a tool result of about `tokens` tokens."""
-    per_person = len(tokenize(document_problem(0, 20).text)) / 20
-    return max(2, round(tokens / per_person))
-
-
 def run_batch(model: str = "qwen2.5-coder-0.5b", questions: int = 6, *, warmup: int = 1, result_tokens: int = 1300,
               seed: int = 0, call_tokens: int = 48, answer_tokens: int = 16, engine: str = "embedded",
               strategies: Sequence[str] = ("kvcmas", BASELINE), progress_bar: bool = True) -> dict[str, Any]:
@@ -54,7 +48,7 @@ def run_batch(model: str = "qwen2.5-coder-0.5b", questions: int = 6, *, warmup: 
     started = time.perf_counter()
     runs = StrategyRuns(model, strategies, progress_bar, engine=engine)
     tokenize = next(iter(runs.runtimes.values())).engine.tokenize
-    people = people_for(result_tokens, tokenize)
+    people = directory_people(tokenize, result_tokens, minimum=2)
     problems = [document_problem(seed + i, people) for i in range(warmup + questions)]
     scored = {s: {"calls": [], "walls": [], "answers": [], "texts": [], "tool_calls": 0, "valid": 0, "invalid": 0}
               for s in strategies}
