@@ -11,6 +11,7 @@ self-check drives it directly.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -93,16 +94,17 @@ def plan_call(
     on_token: Callable[[int], None] | None = None,
     capture_all: bool = False,
     tokenized: TokenizedCall | None = None,
+    cancelled: threading.Event | None = None,
 ) -> CallPlan:
     """Tokenize `call` (unless given its `tokenized` form) and let `strategy` plan it. The
     approximate KV the call caches is salted for its lineage in runtime `runtime_id` (none is
     cached when the strategy says so), its exact blocks for its tenant; `capture_all` asks for
-    every segment's KV (for measuring)."""
+    every segment's KV (for measuring); setting `cancelled` cancels the engine request."""
     tokenized = tokenize_call(engine, call) if tokenized is None else tokenized
     lineage = lineage_salt(runtime_id, tokenized.scope, call.agent) if strategy.caches_approximate else None
     namespace = tenant_salt(call.tenant)
     planned = strategy.plan_call(tokenized, lineage=lineage, namespace=namespace, capture_all=capture_all)
     request = ExecRequest([p.plan for p in planned.pieces], sampling, lineage=lineage, cache_salt=namespace,
                           owner=call.agent, session=engine_session(tokenized.scope), on_token=on_token,
-                          hidden_layer=strategy.hidden_layer(tokenized.scope))
+                          hidden_layer=strategy.hidden_layer(tokenized.scope), cancelled=cancelled)
     return CallPlan(call, tokenized, planned, request)

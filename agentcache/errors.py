@@ -12,6 +12,7 @@ __all__ = [
     "TraceError",
     "InputError",
     "Preempted",
+    "RequestCancelled",
     "EngineUnavailableError",
 ]
 
@@ -59,6 +60,11 @@ class InputError(AgentCacheError, ValueError, TypeError):
 
 class Preempted(AgentCacheError):
     """A low-priority request (a warm-up) gave its place to a real call; nothing it computed was cached."""
+
+
+class RequestCancelled(AgentCacheError):
+    """The caller cancelled the request (`ExecRequest.cancelled` was set): the engine dropped it and
+    freed its blocks; nothing it computed was cached."""
 
 
 class EngineUnavailableError(AgentCacheError):

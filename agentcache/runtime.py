@@ -33,7 +33,7 @@ from agentcache.correction.plan import Served, TokenizedCall
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
-from agentcache.errors import InputError, KVShapeError, RopeAlignmentError
+from agentcache.errors import InputError, KVShapeError, RequestCancelled, RopeAlignmentError
 from agentcache.idle import IdleWorker
 from agentcache.isolation import Scope
 from agentcache.metrics import CallLog, CallResult
@@ -59,6 +59,7 @@ class _Flight:
     event: DispatchEvent | None
     sampling: SamplingParams
     on_token: Callable[[int], None] | None
+    cancelled: threading.Event | None
     started: float  # TTFT runs from here: planning and waiting in the engine included
     ticket: object  # counts the call in flight
     locked_s: float = 0.0  # waiting for other calls' planning or settling
@@ -92,6 +93,7 @@ class Runtime:
         self.scout = ScoutDriver(self.engine, self.config.scout, warmup=self.config.warmup, recorder=recorder)
         self.id = uuid.uuid4().hex  # names this runtime (its lineages, configs that run on it)
         self._lock = threading.RLock()  # strategy and session state: held to plan and to settle, never while the engine runs
+        self.cancelled_calls = 0  # calls their callers cancelled (dropped from the engine)
         self._flying: set[object] = set()  # a ticket per call between entering the runtime and settling
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan")  # `arun`'s planning
         self._learner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")  # `arun`'s learning and settling
@@ -104,10 +106,12 @@ class Runtime:
     # --- running calls -------------------------------------------------------------------
 
     def run(self, call: AgentCall, sampling: SamplingParams | None = None, *, event: DispatchEvent | None = None,
-            on_token: Callable[[int], None] | None = None) -> CallResult:
+            on_token: Callable[[int], None] | None = None, cancelled: threading.Event | None = None) -> CallResult:
         """Run one agent call and return its text, timings and per-segment decisions. `event` is the
-        adapter's dispatch event (of the call's agent and session); `on_token` gets each token id."""
-        flight = self._enter(call, sampling, event, on_token)
+        adapter's dispatch event (of the call's agent and session); `on_token` gets each token id;
+        setting `cancelled` (a client that went away) drops the call from the engine, which frees its
+        blocks, and the call raises `RequestCancelled`: nothing of it is learned or kept."""
+        flight = self._enter(call, sampling, event, on_token, cancelled)
         try:
             wait_for_all(flight.awaited)
             self._plan(flight)
@@ -118,25 +122,31 @@ class Runtime:
                 except (KVShapeError, RopeAlignmentError) as exc:
                     self._refused(flight, exc)
             outcome = self._finish(flight, result)
+        except RequestCancelled:
+            self.cancelled_calls += 1
+            raise
         finally:
             self._land(flight)
         self.log.emit(outcome)
         return outcome
 
     async def arun(self, call: AgentCall, sampling: SamplingParams | None = None, *,
-                   event: DispatchEvent | None = None, on_token: Callable[[int], None] | None = None) -> CallResult:
+                   event: DispatchEvent | None = None, on_token: Callable[[int], None] | None = None,
+                   cancelled: threading.Event | None = None) -> CallResult:
         """`run` for an event loop. It awaits the engine's future, so concurrent calls hold no thread
         each: planning takes turns on one runtime thread; learning, settling and the `on_call` sink
         on another. A caller that stops waiting does not stop the call: like `run` on a thread, it
-        runs to its end and is recorded."""
-        call_task = asyncio.ensure_future(self._arun(call, sampling, event, on_token, time.perf_counter()))
+        runs to its end and is recorded, unless it sets `cancelled`."""
+        call_task = asyncio.ensure_future(self._arun(call, sampling, event, on_token, cancelled, time.perf_counter()))
         call_task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
         return await asyncio.shield(call_task)
 
     async def _arun(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-                    on_token: Callable[[int], None] | None, started: float) -> CallResult:
+                    on_token: Callable[[int], None] | None, cancelled: threading.Event | None,
+                    started: float) -> CallResult:
         loop = asyncio.get_running_loop()
-        flight = await loop.run_in_executor(self._planner, self._enter, call, sampling, event, on_token, started)
+        flight = await loop.run_in_executor(self._planner, self._enter, call, sampling, event, on_token, cancelled,
+                                            started)
         try:
             if flight.awaited:  # on the event loop: the planning thread is not held
                 await asyncio.wait([asyncio.wrap_future(f) for f in flight.awaited])
@@ -148,13 +158,17 @@ class Runtime:
                 except (KVShapeError, RopeAlignmentError) as exc:
                     await loop.run_in_executor(self._planner, self._refused, flight, exc)
             outcome = await loop.run_in_executor(self._learner, self._finish, flight, result)
+        except RequestCancelled:
+            self.cancelled_calls += 1
+            raise
         finally:
             self._land(flight)
         await loop.run_in_executor(self._learner, self.log.emit, outcome)
         return outcome
 
     def _enter(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-               on_token: Callable[[int], None] | None, started: float | None = None) -> _Flight:
+               on_token: Callable[[int], None] | None, cancelled: threading.Event | None = None,
+               started: float | None = None) -> _Flight:
         """Check the input and ask the strategy, under the lock, what shared context in flight the
         call should wait for; the call is in flight from here. `started` (now by default): when
         the call reached the runtime."""
@@ -163,8 +177,11 @@ class Runtime:
         if on_token is not None and not callable(on_token):
             raise InputError(f"Runtime.run(on_token=...) must be callable (it gets each token id) or None, "
                              f"got {type(on_token).__name__}")
+        if cancelled is not None and not isinstance(cancelled, threading.Event):
+            raise InputError(f"Runtime.run(cancelled=...) must be a threading.Event or None, got {type(cancelled).__name__}")
         event = DispatchEvent.checked_for(event, call)
-        flight = _Flight(call, event, sampling, on_token, time.perf_counter() if started is None else started, object())
+        flight = _Flight(call, event, sampling, on_token, cancelled, time.perf_counter() if started is None else started,
+                         object())
         self._flying.add(flight.ticket)  # set.add and discard are atomic: the count needs no lock of its own
         try:
             with self._lock, torch.inference_mode():
@@ -185,7 +202,7 @@ class Runtime:
             flight.locked_s += time.perf_counter() - began
             flight.plan = plan_call(self.engine, self.corrector, flight.call, flight.sampling, runtime_id=self.id,
                                     on_token=flight.on_token, capture_all=self.config.keep_kv,  # measuring keeps every KV
-                                    tokenized=flight.tokenized)
+                                    tokenized=flight.tokenized, cancelled=flight.cancelled)
 
     def _land(self, flight: _Flight) -> None:
         """The call is settled or failed: no longer in flight."""
@@ -334,7 +351,7 @@ class Runtime:
             return self.log.figures.to_dict() | dict(
                 model=self.engine.model_name, strategy=self.strategy.name,
                 requested_strategy=self.requested_strategy.name, refusal=self.refusal, **strategy,
-                sessions=len(self.sessions), sessions_forgotten=self.sessions.forgotten,
+                sessions=len(self.sessions), sessions_forgotten=self.sessions.forgotten, cancelled_calls=self.cancelled_calls,
                 faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
                 eviction=getattr(self.engine.eviction_policy, "name", None), **self.scout.figures(),
                 **self._idle.figures(), **(self.anchors.figures() if self.anchors is not None else {}),

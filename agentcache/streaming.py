@@ -107,9 +107,11 @@ def stream_call(
 
 
 async def astream_call(
-    runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None
+    runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None,
+    cancelled: "threading.Event | None" = None,
 ) -> AsyncIterator["str | CallResult"]:
-    """`stream_call` for an event loop: the engine's thread posts chunks to the loop, which keeps running."""
+    """`stream_call` for an event loop: the engine's thread posts chunks to the loop, which keeps running.
+    Setting `cancelled` drops the call from the engine (`Runtime.arun`)."""
     text = TextStream(runtime.engine.detokenize, sampling.stop)
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[Any] = asyncio.Queue()
@@ -124,7 +126,7 @@ async def astream_call(
 
     async def produce() -> "CallResult":
         try:
-            return await runtime.arun(call, sampling, event=event, on_token=on_token)
+            return await runtime.arun(call, sampling, event=event, on_token=on_token, cancelled=cancelled)
         finally:
             # The engine's posts reach the loop in order, before the call's completion resumes us.
             chunks.put_nowait(_DONE)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentcache.engine import Engine, ExecRequest, SamplingParams, SegmentKV, SegmentPlan, Step
-from agentcache.errors import ContextLengthError, KVShapeError, PlanError, SegmentError
+from agentcache.errors import ContextLengthError, KVShapeError, PlanError, RequestCancelled, SegmentError
 
 from conftest import ENGINE_KINDS, ENGINE_MARKS, TINY_PRESETS, engine_variant, text_of_length
 
@@ -368,3 +368,32 @@ def test_kv_is_captured_only_for_the_segments_that_ask(engine):
                                          SegmentPlan("glue", glue_plan.token_ids, capture=False)], GREEDY))
     assert [o.kv is not None for o in result.segments] == [False, True, False]
     assert result.segments[1].kv.exact and result.generated_kv is not None
+
+
+def test_a_cancelled_request_is_dropped_frees_its_blocks_and_caches_nothing(engine):
+    """Cancel mid-decode (after the first token) and before admission: the future fails with
+    RequestCancelled, no block stays in use, and the engine goes on (exact blocks vLLM filled before
+    the cancel may stay cached: they are exact)."""
+    segments = three_segments(engine, seed=7)
+    cancel = threading.Event()
+    first = threading.Event()
+
+    def on_token(_token: int) -> None:
+        first.set()
+        cancel.set()  # the caller goes away once the first token is out
+
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    future = engine.submit(ExecRequest(as_one(segments), long, capture_kv=False, on_token=on_token, cancelled=cancel))
+    with pytest.raises(RequestCancelled):
+        future.result(timeout=120)
+    assert first.is_set()
+    assert engine.cache_stats().blocks_in_use == 0
+
+    gone = threading.Event()
+    gone.set()
+    with pytest.raises(RequestCancelled):
+        engine.submit(ExecRequest(as_one(segments), GREEDY, cancelled=gone)).result(timeout=120)
+    assert engine.cache_stats().blocks_in_use == 0
+    served = engine.execute(ExecRequest(as_one(segments), GREEDY))  # the engine goes on
+    assert len(served.token_ids) == GREEDY.max_tokens
+    assert engine.cache_stats().blocks_in_use == 0

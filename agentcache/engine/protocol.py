@@ -16,6 +16,7 @@ every segment and of the generated tokens with the positions they sit at.
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -190,6 +191,9 @@ class ExecRequest:
     # the prefix cache serves no position at or past this one (None: up to the first DENSE segment):
     # a replay that judges injected KV must compute with it, not with the exact blocks a dense call cached
     lookup_limit: int | None = None
+    # set by the caller to cancel (a client that went away): the engine drops the request at its next
+    # step, frees its blocks and fails its future with RequestCancelled
+    cancelled: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -205,6 +209,8 @@ class ExecRequest:
             raise PlanError("a call recomputes either tokens (TokenRecompute) or layers (LayerRecompute), not both")
         if self.lookup_limit is not None and (type(self.lookup_limit) is not int or self.lookup_limit < 0):
             raise PlanError(f"ExecRequest.lookup_limit must be an int >= 0 or None, got {self.lookup_limit!r}")
+        if self.cancelled is not None and not isinstance(self.cancelled, threading.Event):
+            raise PlanError(f"ExecRequest.cancelled must be a threading.Event or None, got {type(self.cancelled).__name__}")
         if self.on_token is not None and not callable(self.on_token):
             raise PlanError(f"ExecRequest.on_token must be callable or None, got {type(self.on_token).__name__}")
         for name in ("lineage", "cache_salt", "owner", "session"):

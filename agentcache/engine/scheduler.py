@@ -46,7 +46,7 @@ from agentcache.engine.protocol import (
 from agentcache.engine.recompute import Blend, HiddenRecord, pick_deviating
 from agentcache.engine.runner import ModelRunner
 from agentcache.engine.sampling import choose_token, finish_after
-from agentcache.errors import Preempted
+from agentcache.errors import Preempted, RequestCancelled
 
 __all__ = ["BatchScheduler"]
 
@@ -126,6 +126,7 @@ class BatchScheduler:
         self.constrained_step_s = 0.0
         self.grammar_s = 0.0
         self.preempted = 0
+        self.cancelled = 0  # requests dropped because their callers cancelled them
 
     # --- one step --------------------------------------------------------------------------
 
@@ -134,11 +135,22 @@ class BatchScheduler:
         for job in new_jobs:
             if job.future.set_running_or_notify_cancel():  # a cancelled request is dropped here
                 self.waiting.append(job)
+        self._drop_cancelled()
         self.waiting.sort(key=_order)
         self._admit()
         self._prefill_one()
         self._decode()
         return bool(self.waiting or self.live)
+
+    def _drop_cancelled(self) -> None:
+        """Requests their callers cancelled leave now: blocks freed, nothing cached."""
+        for live in [live for live in self.live if _cancelled(live.request)]:
+            self.cancelled += 1
+            self._drop(live, RequestCancelled("the caller cancelled the request"))
+        for job in [job for job in self.waiting if _cancelled(job.request)]:
+            self.cancelled += 1
+            self.waiting.remove(job)
+            _fail(job.future, RequestCancelled("the caller cancelled the request before it was admitted"))
 
     def crash(self, exc: BaseException) -> None:
         """`step` raised outside any one request: fail every request and start clean."""
@@ -485,6 +497,10 @@ class _CallbackError(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _cancelled(request: ExecRequest) -> bool:
+    return request.cancelled is not None and request.cancelled.is_set()
 
 
 def _fail(future: Future, exc: BaseException) -> None:

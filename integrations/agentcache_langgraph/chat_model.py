@@ -22,10 +22,10 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
-from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.protocol import SamplingParams
 from agentcache.errors import InputError
 from agentcache.metrics import CallResult
+from agentcache.output_format import read_tool_choice, response_constraint
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
 from agentcache.streaming import astream_call, stream_call
@@ -93,57 +93,6 @@ def _openai_tools(tools: Iterable[Any]) -> list[dict[str, Any]]:
 
 def _names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     return [str((t.get("function") or {}).get("name")) for t in tools]
-
-
-def _tool_choice(choice: Any, names: Sequence[str]) -> str | None:
-    """LangChain's `tool_choice` as the runtime reads it: None (the model decides), "none",
-    "required" (any tool) or a tool's name. "auto" is None; "any" and "required" are "required";
-    True is the only tool; `{"type": "function", "function": {"name": ...}}` names one."""
-    if choice is None or choice == "auto":
-        return None
-    if choice is True:
-        if len(names) != 1:
-            raise InputError(f"tool_choice=True forces the single tool, but {len(names)} tools are bound {list(names)}")
-        return names[0]
-    if isinstance(choice, Mapping):
-        function = choice.get("function") if choice.get("type") == "function" else None
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str):
-            raise InputError(f"tool_choice {dict(choice)!r} is not of the shape "
-                             "{'type': 'function', 'function': {'name': ...}}")
-        choice = name
-    if not isinstance(choice, str) or not choice:
-        raise InputError(f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool's name, True or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}; got {choice!r}")
-    if choice == "none":
-        return "none"
-    if choice in ("any", "required"):
-        if not names:
-            raise InputError(f"tool_choice={choice!r} forces a tool call, but no tools are bound")
-        return "required"
-    if choice not in names:
-        raise InputError(f"tool_choice names {choice!r}, which is not among the tools {list(names)}")
-    return choice
-
-
-def _response_constraint(response_format: Any) -> OutputConstraint | None:
-    """OpenAI's `response_format`: {"type": "json_object"} (any JSON object), {"type": "json_schema",
-    "json_schema": {"schema": {...}}} (a value valid under the schema), or {"type": "text"}."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return OutputConstraint.json_object()
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, Mapping) else None
-        if not isinstance(schema, (Mapping, str)):
-            raise InputError("response_format {'type': 'json_schema'} needs {'json_schema': {'schema': {...}}}")
-        return OutputConstraint.json_schema(dict(schema) if isinstance(schema, Mapping) else schema)
-    raise InputError(f"response_format must be {{'type': 'json_object'}}, {{'type': 'json_schema', 'json_schema': "
-                     f"{{'schema': ...}}}} or {{'type': 'text'}}; got {response_format!r}")
 
 
 def _structured_schema(schema: Any, strict: bool | None) -> dict[str, Any]:
@@ -277,7 +226,7 @@ class AgentCacheChatModel(BaseChatModel):
         on a model whose chat template has no tool-call format."""
         self._require_tool_format("bind_tools")
         shaped = _openai_tools(tools)
-        choice = _tool_choice(tool_choice, _names(shaped))
+        choice = read_tool_choice(tool_choice, _names(shaped))
         return self.bind(tools=shaped, **({} if choice is None else {"tool_choice": choice}), **kwargs)
 
     def with_structured_output(
@@ -358,9 +307,9 @@ class AgentCacheChatModel(BaseChatModel):
 
         tools = function_tools(_openai_tools(kwargs.get("tools") or ()))
         names = tuple(t["function"]["name"] for t in tools)
-        choice = _tool_choice(kwargs.get("tool_choice"), names)
+        choice = read_tool_choice(kwargs.get("tool_choice"), names)
         tool_format = self._require_tool_format("got tools") if tools else None
-        constraint = _response_constraint(kwargs.get("response_format"))
+        constraint = response_constraint(kwargs.get("response_format"))
         if choice not in (None, "none"):
             if constraint is not None:
                 raise InputError(f"tool_choice={choice!r} forces a tool call and response_format constrains the "

@@ -33,6 +33,7 @@ from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
 from agentcache.engine.vllm.tails import ExactTails
+from agentcache.errors import RequestCancelled
 from agentcache.models import LoadedModel, load_model, model_directory
 
 __all__ = ["VLLMCore", "Call"]
@@ -197,6 +198,7 @@ class VLLMCore:
         self.injection_failures = 0  # phases whose injected KV failed to load (vLLM recomputed it)
         self.tails = ExactTails(_TAIL_BYTES)
         self.phases_run = 0  # prefill-only requests run before calls
+        self.cancelled = 0  # calls dropped because their callers cancelled them
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
 
     @property
@@ -235,6 +237,9 @@ class VLLMCore:
                     self._start(job)
             except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
                 job.future.set_exception(exc)
+        for live in [live for live in self._live.values() if _cancelled(live.request)]:
+            self.cancelled += 1  # vLLM frees its blocks; nothing it computed is cached under our tags
+            self._drop(live, RequestCancelled("the caller cancelled the request"))
         if self.engine.has_unfinished_requests():
             with _STEP_LOCK:  # the KV connector's worker side is one per process: one engine steps at a time
                 outputs = self.engine.step()
@@ -467,6 +472,10 @@ class VLLMCore:
             cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
             segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
         )
+
+
+def _cancelled(request: ExecRequest) -> bool:
+    return request.cancelled is not None and request.cancelled.is_set()
 
 
 def _weights_key(directory: Path) -> bytes:
