@@ -40,7 +40,7 @@ def read_tool_choice(choice: Any, names: Sequence[str]) -> str | None:
         return "none"
     if choice in ("any", "required"):
         if not names:
-            raise InputError(f"tool_choice={choice!r} forces a tool call, but no tools are given")
+            raise InputError(f"tool_choice={choice!r} forces a tool call, but no tools are bound")
         return "required"
     if choice not in names:
         raise InputError(f"tool_choice names {choice!r}, which is not among the tools {list(names)}")
