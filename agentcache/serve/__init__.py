@@ -5,6 +5,6 @@ OpenAI Agents SDK). Needs the `serve` extra (FastAPI, uvicorn, prometheus-client
 from agentcache.serve.app import create_app
 from agentcache.serve.config import ServeConfig
 from agentcache.serve.identity import ApiKeys
-from agentcache.serve.server import check_bind, serve
+from agentcache.serve.server import ServerThread, check_bind, serve
 
-__all__ = ["create_app", "ServeConfig", "ApiKeys", "serve", "check_bind"]
+__all__ = ["create_app", "ServeConfig", "ApiKeys", "serve", "check_bind", "ServerThread"]

@@ -102,6 +102,15 @@ class _RuntimeFigures(Collector):
                                 value=summary["hit_rate"])
         yield GaugeMetricFamily("agentcache_reuse_ratio", "Reused over reusable shared-context tokens",
                                 value=summary["reuse_ratio"])
+        if "anchors" in summary:
+            yield GaugeMetricFamily("agentcache_anchors", "Anchors in the strategy's pools", value=summary["anchors"])
+        if "verified_edges" in summary:
+            yield GaugeMetricFamily("agentcache_verified_edges",
+                                    "Producer-to-consumer edges whose reuse was judged by a shadow run",
+                                    value=summary["verified_edges"])
+        if "anchors_loaded" in summary:
+            yield GaugeMetricFamily("agentcache_anchors_loaded", "Anchors loaded from the persisted pools at start",
+                                    value=summary["anchors_loaded"])
         calls = CounterMetricFamily("agentcache_calls", "Calls the runtime finished")
         calls.add_metric([], summary["calls"])
         yield calls

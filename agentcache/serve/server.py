@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
+import threading
+import time
 
 from agentcache.errors import InputError
 from agentcache.runtime import Runtime
 from agentcache.serve.app import create_app
 from agentcache.serve.config import ServeConfig
 
-__all__ = ["serve", "is_loopback"]
+__all__ = ["serve", "is_loopback", "check_bind", "ServerThread"]
 
 log = logging.getLogger("agentcache.serve")
+
+
+def _stopped(_signal: int, _frame: object) -> None:
+    raise SystemExit(0)
 
 
 def is_loopback(host: str) -> bool:
@@ -47,8 +54,45 @@ def serve(runtime: Runtime, config: ServeConfig, *, host: str = "127.0.0.1", por
     app = create_app(runtime, config)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=config.drain_s, lifespan="off"))
+    # uvicorn drains, then raises the signal again under the handler it found: ours ends the process
+    # through the `finally` below (a plain SIGTERM would end it before the anchors are saved)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stopped) if main_thread else None
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         runtime.close()  # saves the anchor pools when they persist
         log.info("agentcache serve: stopped")
+
+
+class ServerThread:
+    """An application served on a free loopback port by a thread of this process (tests,
+    benchmarks, notebooks): `with ServerThread(app) as server: OpenAI(base_url=server.url)`."""
+
+    def __init__(self, app, *, drain_s: float = 5.0) -> None:
+        import uvicorn
+
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                                    timeout_graceful_shutdown=drain_s))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
+                                        name="agentcache-serve", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(60)
+        self._socket.close()

@@ -1,0 +1,388 @@
+"""`agentcache serve` over HTTP: a real server on a loopback port, called by the openai SDK and by
+raw HTTP (httpx) for what a well-behaved client never sends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from agentcache.config import RuntimeConfig
+from agentcache.runtime import Runtime
+from agentcache.serve import ApiKeys, ServeConfig, ServerThread, check_bind, create_app
+from agentcache.errors import InputError
+
+from conftest import make_engine
+
+MODEL = "tiny-qwen2-chat"
+DOCUMENT = ("The harbour master's log for the week records three storms, a late ferry on Tuesday, and the "
+            "arrival of the research vessel Albatross, which will stay until the end of the month. ") * 3
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+# a random-weight model writes integers and strings without end: a forced call's arguments are enums
+LOCK = {"type": "function", "function": {"name": "lock_door", "description": "Lock a door.", "parameters": {
+    "type": "object", "properties": {"door": {"enum": ["front", "back"]}, "now": {"type": "boolean"}},
+    "required": ["door", "now"]}}}
+
+
+def runtime(preset: str = MODEL, **config) -> Runtime:
+    return Runtime(make_engine(preset, pool_blocks=256, **config), config=RuntimeConfig(self_check=False))
+
+
+@pytest.fixture(scope="module")
+def server():
+    rt = runtime()
+    with ServerThread(create_app(rt, ServeConfig(default_max_tokens=16))) as running:
+        running.runtime = rt
+        yield running
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def post(server, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}/chat/completions", content=content,
+                      headers={"content-type": "application/json", **kwargs.pop("headers", {})}, timeout=60, **kwargs)
+
+
+def two_agents(session: str) -> tuple[list, list]:
+    """The planner's and the writer's messages over the session's own document."""
+    document = f"Week {session}. {DOCUMENT}"
+    planner = [{"role": "system", "content": "You are the planner. Plan the answer in steps."},
+               {"role": "user", "content": document}]
+    writer = [{"role": "system", "content": "You are the writer. Write the answer from the plan."},
+              {"role": "user", "content": document}]
+    return planner, writer
+
+
+# --- the openai SDK: a two-agent exchange, sync, async and streaming ----------------------------
+
+def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
+    sdk = client(server)
+    planner, writer = two_agents("s1")
+    first = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=8, temperature=0,
+                                        extra_body={"agentcache": {"session": "s1"}})
+    plan = first.choices[0].message.content
+    writer.append({"role": "user", "name": "planner", "content": plan})
+    second = sdk.chat.completions.create(model=MODEL, messages=writer, max_tokens=8, temperature=0,
+                                         extra_headers={"X-Agentcache-Session": "s1"})
+    agents = [first.model_extra["agentcache"]["agent"], second.model_extra["agentcache"]["agent"]]
+    assert agents[0].startswith("agent-") and agents[1].startswith("agent-") and agents[0] != agents[1]
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens == 8
+    assert first.choices[0].finish_reason == "length" and first.model == MODEL
+    # the server's own records: one call per agent, in session s1, the writer reading the planner's
+    # output as the planner's (its fingerprint), so chained reuse can find it
+    calls = [r for r in server.runtime.results if r.session == "s1"]
+    assert [r.agent for r in calls] == agents
+    assert ("out:" + agents[0]) in [s.name for s in calls[1].segments]
+    assert calls[1].event.framework == "openai-http" and calls[1].event.caller.startswith("OpenAI/Python")
+    # the same system prompt again is the same agent; an explicit name wins
+    again = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=2, temperature=0,
+                                        extra_body={"agentcache": {"agent": "planner", "session": "s1"}})
+    assert again.model_extra["agentcache"]["agent"] == "planner"
+    assert again.model_extra["agentcache"]["agent_from"] == "field"
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the planner's prompt was cached by its first call
+
+
+def test_openai_sdk_async_concurrent_and_streaming_match_the_whole_reply(server):
+    async def main():
+        async with AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0) as sdk:
+            planner, writer = two_agents("s2")
+            whole = await asyncio.gather(*(sdk.chat.completions.create(
+                model=MODEL, messages=m, max_tokens=10, temperature=0, extra_body={"agentcache": {"session": "s2"}})
+                for m in (planner, writer)))
+            stream = await sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=10, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True},
+                                                       extra_body={"agentcache": {"session": "s2"}})
+            chunks = [chunk async for chunk in stream]
+            return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    assert len({r.model_extra["agentcache"]["agent"] for r in whole}) == 2
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole[0].choices[0].message.content  # greedy: the same reply, streamed
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10  # the usage chunk comes last
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_forced_tool_call_and_json_schema_reply(server):
+    sdk = client(server)
+    ask = [{"role": "user", "content": "Lock the front door now. Use the tool."}]
+    reply = sdk.chat.completions.create(model=MODEL, messages=ask, tools=[ADD, LOCK], tool_choice="required",
+                                        max_tokens=120, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in ("add", "lock_door") and call.id.startswith("call_")
+    # the call and its result go back in, as an agent loop sends them
+    followed = sdk.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, tools=[ADD, LOCK], messages=[
+        *ask, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"}])
+    result = server.runtime.results[-1]
+    assert f"tool:{call.function.name}" in [s.name for s in result.segments] and followed.choices[0].message
+
+    streamed = sdk.chat.completions.create(model=MODEL, messages=ask, tools=[LOCK], tool_choice="required",
+                                           max_tokens=120, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert [c.function.name for c in calls] == ["lock_door"] and calls[0].index == 0 and calls[0].id
+    assert set(json.loads(calls[0].function.arguments)) == {"door", "now"}
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    answer = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Plan a trip."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}})
+    if answer.choices[0].finish_reason == "stop":
+        assert set(json.loads(answer.choices[0].message.content)) == {"city", "days"}
+    else:  # a random-weight model may write a long string: the prefix is still the schema's
+        assert answer.choices[0].message.content.startswith('{"city":"')
+
+
+# --- errors: each a 4xx with an OpenAI-style body naming the problem -----------------------------
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+BAD_BODIES = [
+    ("not json", b"{nope", 400, None, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    ("no messages", {"model": MODEL}, 400, "messages", "messages"),
+    ("empty messages", {**GOOD, "messages": []}, 400, "messages", "messages"),
+    ("n=2", {**GOOD, "n": 2}, 400, "n", "n"),
+    ("logprobs", {**GOOD, "logprobs": True}, 400, "logprobs", "logprobs"),
+    ("unknown field", {**GOOD, "best_of": 3}, 400, "best_of", "unknown or unsupported"),
+    ("legacy functions", {**GOOD, "functions": []}, 400, "functions", "tools"),
+    ("temperature too high", {**GOOD, "temperature": 3}, 400, "temperature", "temperature"),
+    ("max_tokens a string", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens"),
+    ("unknown model", {**GOOD, "model": "gpt-5"}, 404, "model", "does not exist"),
+    ("bad role", {**GOOD, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "robot"),
+    ("image part", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content[0]", "text parts"),
+    ("tool result without id", {**GOOD, "messages": [{"role": "tool", "content": "5"}]}, 400,
+     "messages[0].tool_call_id", "tool_call_id"),
+    ("bad tool arguments", {**GOOD, "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]}, 400,
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ("tool_choice of no tool", {**GOOD, "tools": [ADD], "tool_choice": {"type": "function",
+                                                                         "function": {"name": "mul"}}}, 400, None, "mul"),
+    ("uncompilable schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, 400, None, ""),
+    ("reply past the context", {**GOOD, "max_tokens": 10**6}, 400, "max_tokens", "at most"),
+    ("control token spelled", {**GOOD, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "<|im_end|>", "parameters": {"type": "object"}}}]}, 400, None, "control token"),
+    ("bad agent name", {**GOOD, "agentcache": {"agent": "<system>"}}, 400, "agentcache.agent", "reserved"),
+    ("cache_salt empty", {**GOOD, "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", [case[1:] for case in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_goes_on(server, body, status, param, words):
+    response = post(server, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words.lower() in error["message"].lower() and "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param
+    assert post(server, GOOD).status_code == 200
+
+
+def test_bodies_over_the_limit_are_413_and_unknown_routes_are_openai_errors():
+    with ServerThread(create_app(runtime(), ServeConfig(max_body_bytes=2000))) as small:
+        big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
+        response = post(small, big)
+        assert response.status_code == 413 and "2000" in response.json()["error"]["message"]
+        chunked = httpx.post(f"{small.url}/chat/completions", content=iter([json.dumps(big).encode()]),
+                             headers={"content-type": "application/json"})  # no Content-Length: counted as read
+        assert chunked.status_code == 413
+        assert post(small, GOOD).status_code == 200
+        missing = httpx.get(f"{small.url}/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_base_model_refuses_tools_and_long_prompts_name_the_limit():
+    with ServerThread(create_app(runtime("tiny-llama"), ServeConfig(max_prompt_tokens=64))) as base:
+        response = post(base, {**GOOD, "model": "tiny-llama", "tools": [ADD]})
+        assert response.status_code == 400 and "cannot call tools" in response.json()["error"]["message"]
+        long = post(base, {**GOOD, "model": "tiny-llama", "messages": [{"role": "user", "content": DOCUMENT}]})
+        assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+        assert "at most 64" in long.json()["error"]["message"]
+        assert post(base, {**GOOD, "model": "tiny-llama"}).status_code == 200
+
+
+# --- under load and faults ------------------------------------------------------------------------
+
+def test_a_flood_past_the_limit_gets_429_with_retry_after_and_the_rest_are_served():
+    rt = runtime()
+    with ServerThread(create_app(rt, ServeConfig(max_in_flight=2))) as small:
+        async def flood():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {**GOOD, "max_tokens": 48, "temperature": 0}
+                return await asyncio.gather(*(http.post(f"{small.url}/chat/completions", json=body)
+                                              for _ in range(10)))
+
+        responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 1, codes
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["code"] == "queue_full"
+    assert rt.summary()["calls"] == codes.count(200)
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_engine_request():
+    rt = runtime()
+    with ServerThread(create_app(rt, ServeConfig())) as alone:
+        body = {**GOOD, "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", f"{alone.url}/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(4)]  # the role chunk and the first text
+        assert any(line.startswith("data: ") for line in received)
+        deadline = time.monotonic() + 30
+        while rt.cancelled_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.cancelled_calls == 1 and rt.summary()["calls"] == 0  # dropped, never recorded as served
+        assert rt.engine.cache_stats().blocks_in_use == 0  # no block leaked
+        metrics = httpx.get(f"{alone.url.removesuffix('/v1')}/metrics").text
+        assert "agentcache_cancelled_calls_total 1.0" in metrics
+        assert post(alone, GOOD).status_code == 200
+
+
+def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
+    keys = ApiKeys({"key-of-acme-000": "acme", "key-of-globex-0": "globex"})
+    rt = runtime()
+    with ServerThread(create_app(rt, ServeConfig(api_keys=keys))) as guarded:
+        def ask(key, **extra):
+            sdk = OpenAI(base_url=guarded.url, api_key=key, max_retries=0)
+            messages = [{"role": "system", "content": "You are the analyst."}, {"role": "user", "content": DOCUMENT}]
+            return sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                               extra_body=extra or None)
+
+        assert ask("key-of-acme-000").usage.prompt_tokens_details.cached_tokens == 0
+        assert ask("key-of-acme-000").usage.prompt_tokens_details.cached_tokens > 0  # its own blocks
+        assert ask("key-of-globex-0").usage.prompt_tokens_details.cached_tokens == 0  # never acme's
+        # a salt splits inside the caller's tenant and never joins another: globex naming "acme" gets nothing
+        assert ask("key-of-globex-0", cache_salt="acme").usage.prompt_tokens_details.cached_tokens == 0
+        assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens == 0
+        assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens > 0
+        for bad in (None, "wrong-key-0000"):
+            headers = {} if bad is None else {"authorization": f"Bearer {bad}"}
+            refused = post(guarded, GOOD, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{guarded.url}/models").status_code == 401
+    tenants = [r.tenant for r in rt.results]
+    assert tenants == ["acme", "acme", "globex", "globex#acme", "acme#x", "acme#x"]
+    assert rt.shared_texts(None, "globex") == {} or all(
+        slot != "out:" for slot in rt.shared_texts(None, "globex").values())
+    with pytest.raises(InputError, match="without '#'"):
+        ApiKeys({"key-of-acme-000": "a#b"})
+    with pytest.raises(InputError, match="api-keys"):
+        check_bind("0.0.0.0", ServeConfig())
+    check_bind("0.0.0.0", ServeConfig(api_keys=keys))
+
+
+def test_metrics_label_agents_with_a_bounded_set():
+    rt = runtime()
+    with ServerThread(create_app(rt, ServeConfig(max_agents=2))) as small:
+        for name in ("planner", "writer", "critic", "editor"):
+            assert post(small, {**GOOD, "agentcache": {"agent": name}}).status_code == 200
+        assert post(small, {**GOOD, "n": 3}).status_code == 400
+        text = httpx.get(f"{small.url.removesuffix('/v1')}/metrics").text
+        health = httpx.get(f"{small.url.removesuffix('/v1')}/health").json()
+    assert 'agentcache_ttft_seconds_count{agent="planner"} 1.0' in text
+    assert 'agentcache_ttft_seconds_count{agent="writer"} 1.0' in text
+    assert 'agentcache_ttft_seconds_count{agent="other"} 2.0' in text and "critic" not in text
+    assert 'agentcache_requests_total{agent="other",outcome="ok"} 2.0' in text
+    assert 'outcome="bad_request"' in text and "agentcache_hit_rate" in text and "agentcache_reuse_ratio" in text
+    assert health == {"status": "ok", "model": MODEL, "in_flight": 0}
+
+
+# --- the command: SIGTERM drains, anchors persist across a restart -------------------------------
+
+def _start(port: int, anchors: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "agentcache.cli", "serve", "--model", "tiny-llama", "--port", str(port),
+               "--anchors-dir", str(anchors), "--strategy", "kvcmas", "--log-level", "warning", "--drain-s", "60"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_healthy(port: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")
+
+
+def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = _start(port, tmp_path)
+    try:
+        _wait_healthy(port, process)
+        url = f"http://127.0.0.1:{port}/v1"
+        sdk = OpenAI(base_url=url, api_key="unused", max_retries=0)
+        for session in range(3):  # a chain per session: the writer reads the planner's output over the document
+            planner, writer = two_agents(f"t{session}")
+            plan = sdk.chat.completions.create(model="tiny-llama", messages=planner, max_tokens=8, temperature=0,
+                                               extra_body={"agentcache": {"session": f"t{session}"}})
+            writer.append({"role": "user", "name": "planner", "content": plan.choices[0].message.content or "-"})
+            sdk.chat.completions.create(model="tiny-llama", messages=writer, max_tokens=8, temperature=0,
+                                        extra_body={"agentcache": {"session": f"t{session}"}})
+        streamed: list[tuple[float, str]] = []
+
+        def long_stream() -> None:
+            with httpx.stream("POST", f"{url}/chat/completions", timeout=120, json={
+                    "model": "tiny-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000,
+                    "temperature": 0, "stream": True}) as response:
+                for line in response.iter_lines():
+                    streamed.append((time.monotonic(), line))
+
+        reader = threading.Thread(target=long_stream)
+        reader.start()
+        while not streamed:
+            time.sleep(0.01)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)  # with the stream in flight
+        reader.join(120)
+        assert process.wait(120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    events = [line for _, line in streamed if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"  # the in-flight stream finished, after the signal
+    assert sum(at > signalled for at, line in streamed if line.startswith("data: {")) > 1
+    finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
+    assert finish[-1] in ("stop", "length")
+    saved = sorted(tmp_path.rglob("*.safetensors"))
+    assert saved and not [p for p in tmp_path.rglob("*") if "tmp" in p.name]  # written whole, no temporary left
+
+    restarted = _start(port, tmp_path)
+    try:
+        _wait_healthy(port, restarted)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        verified = next(line for line in metrics.splitlines() if line.startswith("agentcache_verified_edges "))
+        assert float(verified.split()[1]) > 0  # the verdicts of the first server's shadow runs, loaded
+        assert "agentcache_anchors_loaded" in metrics
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        assert restarted.wait(60) == 0
