@@ -386,3 +386,26 @@ def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
     finally:
         restarted.send_signal(signal.SIGTERM)
         assert restarted.wait(60) == 0
+
+
+@pytest.mark.vllm
+def test_the_server_on_the_vllm_engine_serves_streams_and_cancels():
+    from conftest import ENGINE_KINDS
+
+    rt = Runtime(ENGINE_KINDS["vllm"](MODEL, pool_blocks=256), config=RuntimeConfig(self_check=False))
+    with ServerThread(create_app(rt, ServeConfig())) as on_vllm:
+        sdk = client(on_vllm)
+        planner, writer = two_agents("v1")
+        whole = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=6, temperature=0)
+        streamed = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=6, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == whole.choices[0].message.content and whole.usage.completion_tokens == 6
+        with httpx.stream("POST", f"{on_vllm.url}/chat/completions", timeout=60,
+                          json={**GOOD, "max_tokens": 2000, "stream": True}) as response:
+            lines = response.iter_lines()
+            [next(lines) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while rt.cancelled_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.cancelled_calls == 1 and rt.engine.cache_stats().blocks_in_use == 0
+        assert post(on_vllm, GOOD).status_code == 200
