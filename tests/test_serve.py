@@ -235,6 +235,7 @@ def test_a_flood_past_the_limit_gets_429_with_retry_after_and_the_rest_are_serve
                                               for _ in range(10)))
 
         responses = asyncio.run(flood())
+        assert httpx.get(f"{small.url.removesuffix('/v1')}/health").json()["in_flight"] == 0  # every place given back
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 1, codes
     refused = next(r for r in responses if r.status_code == 429)
@@ -257,6 +258,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_engine_request():
         assert rt.engine.cache_stats().blocks_in_use == 0  # no block leaked
         metrics = httpx.get(f"{alone.url.removesuffix('/v1')}/metrics").text
         assert "agentcache_cancelled_calls_total 1.0" in metrics
+        assert httpx.get(f"{alone.url.removesuffix('/v1')}/health").json()["in_flight"] == 0
         assert post(alone, GOOD).status_code == 200
 
 
@@ -282,6 +284,9 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
             refused = post(guarded, GOOD, headers=headers)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{guarded.url}/models").status_code == 401
+        metrics_url = f"{guarded.url.removesuffix('/v1')}/metrics"  # every tenant's figures: a key is needed
+        assert httpx.get(metrics_url).status_code == 401
+        assert httpx.get(metrics_url, headers={"authorization": "Bearer key-of-acme-000"}).status_code == 200
     tenants = [r.tenant for r in rt.results]
     assert tenants == ["acme", "acme", "globex", "globex#acme", "acme#x", "acme#x"]
     assert rt.shared_texts(None, "globex") == {} or all(

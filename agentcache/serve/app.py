@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
@@ -60,17 +61,30 @@ class Admission:
         self.in_flight = 0
         self._seconds = 1.0  # moving average of a request's time
 
-    def enter(self) -> float:
+    def enter(self) -> "_Slot":
         if self.in_flight >= self.limit:
             wait = max(1, math.ceil(self._seconds))
             raise ApiError(429, f"the server is serving its limit of {self.limit} requests; retry after {wait} s",
                            code="queue_full", headers={"Retry-After": str(wait)})
         self.in_flight += 1
-        return time.perf_counter()
+        return _Slot(self, time.perf_counter())
 
-    def leave(self, entered: float) -> None:
+    def _leave(self, entered: float) -> None:
         self.in_flight -= 1
         self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - entered)
+
+
+class _Slot:
+    """One admitted request's place; `release` is idempotent (a stream releases it when it ends, and
+    its response's background task again, for a stream that never started)."""
+
+    def __init__(self, admission: Admission, entered: float) -> None:
+        self._admission, self._entered, self._held = admission, entered, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission._leave(self._entered)
 
 
 def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
@@ -123,7 +137,8 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         return _model_card(model)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        _tenant(config, request)  # the figures of every tenant (agent names included): a key is needed
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
@@ -145,7 +160,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
                                         max_prompt_tokens=max_prompt, user_agent=request.headers.get("user-agent"))
             except _BAD_REQUEST as exc:
                 raise ApiError(400, str(exc)) from None
-            entered = admission.enter()
+            slot = admission.enter()
         except ApiError as error:
             metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
             if error.status in (413, 429):
@@ -153,12 +168,13 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
             raise
         reply = _Reply(runtime, prepared, chat.model, chat.include_usage, caller.how, metrics)  # the name asked for
         if chat.stream:
-            return StreamingResponse(reply.events(entered, admission), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(reply.events(slot), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(slot.release))
         try:
             return await reply.whole(request)
         finally:
-            admission.leave(entered)
+            slot.release()
 
     return app
 
@@ -200,7 +216,7 @@ class _Reply:
                               self._extension(result, parsed))
         return JSONResponse(body)
 
-    async def events(self, entered: float, admission: Admission) -> AsyncIterator[str]:
+    async def events(self, slot: _Slot) -> AsyncIterator[str]:
         """The reply as Server-Sent Events. The stream ends early (and the engine request is
         cancelled) when the client disconnects: Starlette cancels this generator."""
         created = int(time.time())
@@ -248,7 +264,7 @@ class _Reply:
         finally:
             if not finished:
                 self.cancel.set()  # the client went away: the engine drops the request
-            admission.leave(entered)
+            slot.release()
 
     def _usage(self, result: CallResult) -> dict[str, Any]:
         return api.usage(result.prompt_tokens, len(result.token_ids), result.cached_tokens)
