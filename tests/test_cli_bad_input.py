@@ -46,6 +46,13 @@ CASES = [
     ("check-no-model", _argv("check", "--model", "/nonexistent"), "--model '/nonexistent' is not a preset", True),
     ("record-no-model", _argv("trace", "record", "TMP/out.jsonl", "--model", "/nonexistent"), "--model '/nonexistent'", False),
     ("demo-no-model", _argv("demo", "--model", "/nonexistent"), "--model '/nonexistent'", False),
+    ("serve-no-model", _argv("serve", "--model", "/nonexistent"), "--model '/nonexistent'", False),
+    ("serve-open-host", _argv("serve", "--model", "tiny-llama", "--host", "0.0.0.0"), "give --api-keys FILE", False),
+    ("serve-keys-missing", _argv("serve", "--model", "tiny-llama", "--api-keys", "TMP/none.json"), "none.json", False),
+    ("serve-keys-not-json", lambda tmp_path: (tmp_path / "k.json").write_text("{nope") and
+     ["serve", "--model", "tiny-llama", "--api-keys", str(tmp_path / "k.json")], "not JSON", False),
+    ("serve-keys-short", lambda tmp_path: (tmp_path / "k.json").write_text('{"abc": "t"}') and
+     ["serve", "--model", "tiny-llama", "--api-keys", str(tmp_path / "k.json")], "at least 8 characters", False),
     ("demo-no-sample", _argv("demo", "--sample", "no_such_sample"), "--sample 'no_such_sample' is not a sample", False),
     ("trace-not-utf8", _trace_with(b"\xff\xfe{}\n"), "not UTF-8", False),
     ("token-id-huge", _trace_with(_prompt(10**30)), "token id 1000000000000000000000000000000 is not an int in [0, 2**31)", False),
