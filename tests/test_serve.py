@@ -25,6 +25,7 @@ from agentcache.errors import InputError
 from conftest import make_engine
 
 MODEL = "tiny-qwen2-chat"
+SECRET = "Acme's merger with Initech closes on the ninth; tell nobody outside the deal team."
 DOCUMENT = ("The harbour master's log for the week records three storms, a late ferry on Tuesday, and the "
             "arrival of the research vessel Albatross, which will stay until the end of the month. ") * 3
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -279,6 +280,8 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
         assert ask("key-of-globex-0", cache_salt="acme").usage.prompt_tokens_details.cached_tokens == 0
         assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens == 0
         assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens > 0
+        OpenAI(base_url=guarded.url, api_key="key-of-acme-000", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2)
         for bad in (None, "wrong-key-0000"):
             headers = {} if bad is None else {"authorization": f"Bearer {bad}"}
             refused = post(guarded, GOOD, headers=headers)
@@ -288,9 +291,11 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
         assert httpx.get(metrics_url).status_code == 401
         assert httpx.get(metrics_url, headers={"authorization": "Bearer key-of-acme-000"}).status_code == 200
     tenants = [r.tenant for r in rt.results]
-    assert tenants == ["acme", "acme", "globex", "globex#acme", "acme#x", "acme#x"]
-    assert rt.shared_texts(None, "globex") == {} or all(
-        slot != "out:" for slot in rt.shared_texts(None, "globex").values())
+    assert tenants == ["acme", "acme", "globex", "globex#acme", "acme#x", "acme#x", "acme"]
+    # what a tenant's calls saw stays in that tenant's sessions
+    acme, globex, salted = (rt.shared_texts(None, t) for t in ("acme", "globex", "globex#acme"))
+    assert SECRET in acme and SECRET not in globex and SECRET not in salted
+    assert DOCUMENT.strip() in globex  # its own calls' texts are its own
     with pytest.raises(InputError, match="without '#'"):
         ApiKeys({"key-of-acme-000": "a#b"})
     with pytest.raises(InputError, match="api-keys"):
