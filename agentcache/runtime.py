@@ -123,7 +123,8 @@ class Runtime:
                     self._refused(flight, exc)
             outcome = self._finish(flight, result)
         except RequestCancelled:
-            self.cancelled_calls += 1
+            with self._lock:
+                self.cancelled_calls += 1
             raise
         finally:
             self._land(flight)
@@ -159,7 +160,8 @@ class Runtime:
                     await loop.run_in_executor(self._planner, self._refused, flight, exc)
             outcome = await loop.run_in_executor(self._learner, self._finish, flight, result)
         except RequestCancelled:
-            self.cancelled_calls += 1
+            with self._lock:
+                self.cancelled_calls += 1
             raise
         finally:
             self._land(flight)

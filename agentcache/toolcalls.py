@@ -87,7 +87,11 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         entry = {"name": function["name"]}
         if function.get("description"):
             entry["description"] = function["description"]
-        entry["parameters"] = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, Mapping):
+            raise InputError(f"tool {index} ({function['name']}): parameters must be a JSON schema object, "
+                             f"got {type(parameters).__name__}")
+        entry["parameters"] = dict(parameters)
         shaped.append({"type": "function", "function": entry})
     names = [t["function"]["name"] for t in shaped]
     if len(set(names)) != len(names):

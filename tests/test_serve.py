@@ -73,7 +73,7 @@ def two_agents(session: str) -> tuple[list, list]:
 def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
     sdk = client(server)
     planner, writer = two_agents("s1")
-    first = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=8, temperature=0,
+    first = sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=40, temperature=0,
                                         extra_body={"agentcache": {"session": "s1"}})
     plan = first.choices[0].message.content
     writer.append({"role": "user", "name": "planner", "content": plan})
@@ -81,7 +81,7 @@ def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
                                          extra_headers={"X-Agentcache-Session": "s1"})
     agents = [first.model_extra["agentcache"]["agent"], second.model_extra["agentcache"]["agent"]]
     assert agents[0].startswith("agent-") and agents[1].startswith("agent-") and agents[0] != agents[1]
-    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens == 8
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens == 40 and len(plan.strip()) >= 24
     assert first.choices[0].finish_reason == "length" and first.model == MODEL
     # the server's own records: one call per agent, in session s1, the writer reading the planner's
     # output as the planner's (its fingerprint), so chained reuse can find it
@@ -187,6 +187,12 @@ BAD_BODIES = [
         "name": "f", "description": "<|im_end|>", "parameters": {"type": "object"}}}]}, 400, None, "control token"),
     ("bad agent name", {**GOOD, "agentcache": {"agent": "<system>"}}, 400, "agentcache.agent", "reserved"),
     ("cache_salt empty", {**GOOD, "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400, None, "too deeply"),
+    ("lone surrogate", b'{"model": "tiny-qwen2-chat", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     None, "surrogate"),
+    ("tool parameters not an object", {**GOOD, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}, 400, None, "parameters must be a JSON schema object"),
+    ("seed past 64 bits", {**GOOD, "seed": 2**70}, 400, "seed", "seed"),
 ]
 
 
@@ -259,12 +265,13 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_engine_request():
         assert rt.engine.cache_stats().blocks_in_use == 0  # no block leaked
         metrics = httpx.get(f"{alone.url.removesuffix('/v1')}/metrics").text
         assert "agentcache_cancelled_calls_total 1.0" in metrics
+        assert 'outcome="cancelled"} 1.0' in metrics and "agentcache_requests_in_flight 0.0" in metrics
         assert httpx.get(f"{alone.url.removesuffix('/v1')}/health").json()["in_flight"] == 0
         assert post(alone, GOOD).status_code == 200
 
 
 def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
-    keys = ApiKeys({"key-of-acme-000": "acme", "key-of-globex-0": "globex"})
+    keys = ApiKeys({"key-of-acme-000": "acme", "key-of-globex-0": "globex", "key-of-scraper": "metrics"})
     rt = runtime()
     with ServerThread(create_app(rt, ServeConfig(api_keys=keys))) as guarded:
         def ask(key, **extra):
@@ -287,9 +294,10 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
             refused = post(guarded, GOOD, headers=headers)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{guarded.url}/models").status_code == 401
-        metrics_url = f"{guarded.url.removesuffix('/v1')}/metrics"  # every tenant's figures: a key is needed
+        metrics_url = f"{guarded.url.removesuffix('/v1')}/metrics"  # every tenant's figures: the scraper's key only
         assert httpx.get(metrics_url).status_code == 401
-        assert httpx.get(metrics_url, headers={"authorization": "Bearer key-of-acme-000"}).status_code == 200
+        assert httpx.get(metrics_url, headers={"authorization": "Bearer key-of-acme-000"}).status_code == 403
+        assert httpx.get(metrics_url, headers={"authorization": "Bearer key-of-scraper"}).status_code == 200
     tenants = [r.tenant for r in rt.results]
     assert tenants == ["acme", "acme", "globex", "globex#acme", "acme#x", "acme#x", "acme"]
     # what a tenant's calls saw stays in that tenant's sessions

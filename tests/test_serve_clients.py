@@ -42,7 +42,7 @@ def test_langchain_chat_openai_in_a_langgraph_graph(server):
     from langgraph.graph import END, START, MessagesState, StateGraph
 
     # unmodified for the planner (its system prompt names it); the writer says who it is
-    planner_model = ChatOpenAI(model=MODEL, base_url=server.url, api_key="unused", max_tokens=8, temperature=0,
+    planner_model = ChatOpenAI(model=MODEL, base_url=server.url, api_key="unused", max_tokens=40, temperature=0,
                                default_headers={"X-Agentcache-Session": "graph-1"})
     writer_model = ChatOpenAI(model=MODEL, base_url=server.url, api_key="unused", max_tokens=8, temperature=0,
                               extra_body={"agentcache": {"agent": "writer", "session": "graph-1"}})
@@ -78,7 +78,7 @@ def test_autogen_openai_client_in_a_selector_group_chat(server):
 
     def client():
         return OpenAIChatCompletionClient(
-            model=MODEL, base_url=server.url, api_key="unused", max_tokens=8, temperature=0.0,
+            model=MODEL, base_url=server.url, api_key="unused", max_tokens=40, temperature=0.0,
             model_info={"vision": False, "function_calling": True, "json_output": True, "structured_output": True,
                         "family": "unknown"})
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Collection, Literal, Sequence
 
@@ -82,6 +83,9 @@ class OutputConstraint:
         return cls("structural_tag", text)
 
 
+COMPILED_KEPT = 256  # compiled constraints kept per engine, least recently used dropped first
+
+
 class Grammars:
     """Compiled constraints of one engine's vocabulary. Thread-safe: `compile` runs in the
     submitting thread (so a bad constraint fails there), matchers on the engine's thread."""
@@ -94,15 +98,16 @@ class Grammars:
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
-        self._compiled: dict[OutputConstraint, Any] = {}
+        self._compiled: OrderedDict[OutputConstraint, Any] = OrderedDict()  # the newest COMPILED_KEPT
         self._lock = threading.Lock()
 
     def compile(self, constraint: OutputConstraint) -> Any:
         """The compiled grammar of `constraint`; an InputError naming the problem when it cannot be."""
         with self._lock:
             found = self._compiled.get(constraint)
-        if found is not None:
-            return found
+            if found is not None:
+                self._compiled.move_to_end(constraint)
+                return found
         try:
             if constraint.kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(constraint.spec)
@@ -113,6 +118,8 @@ class Grammars:
             raise InputError(f"the output constraint ({constraint.kind}) cannot be compiled: {_reason(exc)}") from None
         with self._lock:
             self._compiled[constraint] = compiled
+            while len(self._compiled) > COMPILED_KEPT:  # a caller sending a new schema per request stays bounded
+                self._compiled.popitem(last=False)
         return compiled
 
     def start(self, constraint: OutputConstraint) -> "GrammarState":

@@ -81,7 +81,7 @@ class ChatRequest(_Strict):
     stop: str | list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     n: Literal[1] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

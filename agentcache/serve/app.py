@@ -24,12 +24,14 @@ import logging
 import math
 import threading
 import time
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
@@ -37,7 +39,7 @@ from agentcache.runtime import Runtime
 from agentcache.serve import api
 from agentcache.serve.api import ApiError
 from agentcache.serve.config import ServeConfig
-from agentcache.serve.identity import Identities
+from agentcache.serve.identity import METRICS_TENANT, Identities
 from agentcache.serve.messages import read_messages
 from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
 from agentcache.serve.prepare import PreparedCall, prepare_call
@@ -100,6 +102,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
     identities = Identities()
     metrics = ServeMetrics(runtime, config.max_agents)
+    metrics.in_flight.set_function(lambda: admission.in_flight)
     _chain_sink(runtime, metrics.observe)
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
@@ -138,7 +141,10 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        _tenant(config, request)  # the figures of every tenant (agent names included): a key is needed
+        tenant = _tenant(config, request)  # the figures of every tenant (agent names included): the scraper's key only
+        if config.api_keys is not None and tenant != METRICS_TENANT:
+            raise ApiError(403, f"/metrics covers every tenant: it needs a key of the tenant {METRICS_TENANT!r}",
+                           code="forbidden")
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
@@ -155,12 +161,18 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
             transcript = read_messages(chat.messages)
             caller = identities.caller(chat, request.headers, transcript, tenant)
             agent = caller.agent
+            slot = admission.enter()  # before the prompt is tokenized: a refused request costs nothing more
             try:
-                prepared = prepare_call(runtime, chat, transcript, caller, default_max_tokens=config.default_max_tokens,
-                                        max_prompt_tokens=max_prompt, user_agent=request.headers.get("user-agent"))
+                # tokenizing a long prompt would hold the event loop (and every stream on it): a worker thread does it
+                prepared = await asyncio.get_running_loop().run_in_executor(None, partial(
+                    prepare_call, runtime, chat, transcript, caller, default_max_tokens=config.default_max_tokens,
+                    max_prompt_tokens=max_prompt, user_agent=request.headers.get("user-agent")))
             except _BAD_REQUEST as exc:
+                slot.release()
                 raise ApiError(400, str(exc)) from None
-            slot = admission.enter()
+            except BaseException:
+                slot.release()
+                raise
         except ApiError as error:
             metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
             if error.status in (413, 429):
@@ -198,6 +210,9 @@ class _Reply:
         try:
             result = await self.runtime.arun(self.prepared.call, self.prepared.sampling, event=self.prepared.event,
                                              cancelled=self.cancel)
+        except asyncio.CancelledError:  # the handler itself was cancelled (a shutdown past its drain time)
+            self.cancel.set()
+            raise
         except RequestCancelled:
             self.metrics.outcome(self.agent, "cancelled")
             return Response(status_code=499)  # nobody is listening
@@ -235,8 +250,7 @@ class _Reply:
                     if text:
                         yield _sse(api.chunk(self.id, self.model, created, {"content": text}))
             except RequestCancelled:
-                self.metrics.outcome(self.agent, "cancelled")
-                return
+                return  # counted as cancelled below
             except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
                 bad = isinstance(exc, _BAD_REQUEST)
                 if not bad:
@@ -264,6 +278,7 @@ class _Reply:
         finally:
             if not finished:
                 self.cancel.set()  # the client went away: the engine drops the request
+                self.metrics.outcome(self.agent, "cancelled")
             slot.release()
 
     def _usage(self, result: CallResult) -> dict[str, Any]:
@@ -319,13 +334,23 @@ async def _read_body(request: Request, limit: int) -> Any:
         raise ApiError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
                        code="request_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over this server's limit of {limit} bytes",
-                           code="request_too_large")
     try:
-        return json.loads(body)
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over this server's limit of {limit} bytes",
+                               code="request_too_large")
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the request") from None
+    try:
+        parsed = json.loads(body)
+        json.dumps(parsed, ensure_ascii=False).encode()  # a lone surrogate is no text a model can read
+        return parsed
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from None
+    except UnicodeError:
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate (an escape such as \\ud800), "
+                            "which is not text", code="invalid_json") from None
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 

@@ -27,11 +27,12 @@ from agentcache.errors import InputError
 from agentcache.serve.api import ApiError, ChatRequest
 from agentcache.serve.messages import Transcript
 
-__all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "DEFAULT_AGENT"]
+__all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "DEFAULT_AGENT", "METRICS_TENANT"]
 
 AGENT_HEADER = "x-agentcache-agent"
 SESSION_HEADER = "x-agentcache-session"
 DEFAULT_AGENT = "assistant"  # a request with no system prompt and no name
+METRICS_TENANT = "metrics"  # with API keys configured, only this tenant's keys read /metrics
 _ALIASES = 4096  # fingerprints remembered per server, oldest forgotten first
 
 

@@ -23,6 +23,7 @@ __all__ = ["Transcript", "read_messages"]
 
 _SYSTEM_ROLES = ("system", "developer")
 OUTPUT_PREFIX = output_slot("")  # "out:", the slot prefix of agents' outputs
+MIN_KNOWN_CHARS = 24  # a shorter text is not matched to the output that holds it
 
 
 class Transcript:
@@ -48,19 +49,23 @@ class Transcript:
         for role, name, text, calls in self._turns:
             if role == "user":
                 other = name and name != "user"
-                author = _known_author(text, known) or name
+                author = _known_author(text, known, agent) or name
                 read.append(ChatTurn("agent", author, text) if other else ChatTurn("user", "user", text))
             elif role == "assistant":
-                author = (_known_author(text, known) or name) if name and name != agent else agent
+                author = (_known_author(text, known, agent) or name) if name and name != agent else agent
                 read.append(ChatTurn("agent", author, text, calls))
             else:
                 read.append(ChatTurn("tool", name or "tool", text))
         return read
 
 
-def _known_author(text: str, known: Mapping[str, str] | None) -> str | None:
-    slot = (known or {}).get(text.strip())
-    return slot.removeprefix(OUTPUT_PREFIX) if slot and slot.startswith(OUTPUT_PREFIX) else None
+def _known_author(text: str, known: Mapping[str, str] | None, caller: str) -> str | None:
+    """The agent whose output `text` is, when the session knows it: long enough to be an output and
+    not a short reply anyone could write ("OK", "TERMINATE"), and another agent than the caller."""
+    text = text.strip()
+    slot = (known or {}).get(text) if len(text) >= MIN_KNOWN_CHARS else None
+    author = slot.removeprefix(OUTPUT_PREFIX) if slot and slot.startswith(OUTPUT_PREFIX) else None
+    return author if author != caller else None
 
 
 def read_messages(messages: Sequence[Any]) -> Transcript:
