@@ -38,7 +38,9 @@ Phases, in order:
    (Gemma 3 270M base) gets one writing agentcache's plain transcript layout (the agent named by
    `chat_template_kwargs`, stop at "\\n###").
 5. Soak, `--soak-s` seconds (600 in the full run, 0 in --quick): `--soak-concurrency` trajectories
-   at a time in a closed loop against the KVCMAS server, each a new session over a new document;
+   at a time in a closed loop against the KVCMAS server, each a new session over a new document of
+   `--soak-context` tokens (256 in the full run: many requests, and the runtime's bounded stores of
+   sources, sessions and anchors full before the samples start);
    the current RSS (VmRSS) is sampled every `--soak-sample-s` after the first `--soak-warmup` share
    of the soak, and the least-squares slope of RSS against completed requests is the growth.
 
@@ -485,9 +487,9 @@ async def measure(args: argparse.Namespace, base, runtimes: dict[str, Runtime], 
     targets = {name: Target(name, client, model, errors) for name, client in clients.items()}
     serial = iter(range(10**9))
 
-    def job(prefix: str = "traj") -> tuple[str, str]:
+    def job(prefix: str = "traj", context: int | None = None) -> tuple[str, str]:
         n = next(serial)
-        return f"{prefix}-{n}", document_text(base, args.context, args.seed * 100_000 + 5000 + n)
+        return f"{prefix}-{n}", document_text(base, context or args.context, args.seed * 100_000 + 5000 + n)
 
     # 1. warm-up: the same documents on both servers, one trajectory at a time; one in-process
     warm = [job("warm") for _ in range(args.warmup)]
@@ -562,7 +564,7 @@ async def measure(args: argparse.Namespace, base, runtimes: dict[str, Runtime], 
     # 5. soak against the KVCMAS server: new sessions over new documents, RSS against requests
     soaked = None
     if args.soak_s > 0:
-        soaked = await soak(targets[KVCMAS], lambda: job("soak"), args.soak_s, args.soak_concurrency,
+        soaked = await soak(targets[KVCMAS], lambda: job("soak", args.soak_context), args.soak_s, args.soak_concurrency,
                             args.soak_sample_s, args.soak_warmup, args.output_tokens)
 
     for client in clients.values():
@@ -619,7 +621,7 @@ def run(args: argparse.Namespace) -> dict:
         sizes={"context": args.context, "output_tokens": args.output_tokens, "warmup": args.warmup,
                "overhead_pairs": args.overhead_pairs, "saturation": args.saturation, "loads": args.loads,
                "trajectories": args.trajectories, "full_load_trajectories": args.full_load_trajectories,
-               "soak_s": args.soak_s, "soak_concurrency": args.soak_concurrency,
+               "soak_s": args.soak_s, "soak_concurrency": args.soak_concurrency, "soak_context": args.soak_context,
                "max_in_flight": args.max_in_flight or (4 * batch if batch else None)},
         machine={"platform": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "torch": torch.__version__, "python": platform.python_version()},
@@ -652,6 +654,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-serve-timeout", type=float, default=900.0, help="seconds to wait for vllm serve")
     parser.add_argument("--soak-s", type=float, default=None, help="seconds of soak against KVCMAS (0: none)")
     parser.add_argument("--soak-concurrency", type=int, default=None, help="trajectories in flight during the soak")
+    parser.add_argument("--soak-context", type=int, default=None,
+                        help="shared document tokens in the soak's trajectories (short: many requests, and the "
+                             "runtime's bounded stores reach their steady state within the warm-up share)")
     parser.add_argument("--soak-sample-s", type=float, default=None, help="seconds between RSS samples")
     parser.add_argument("--soak-warmup", type=float, default=0.2, help="share of the soak before RSS is sampled")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="the client's timeout per request")
@@ -661,14 +666,15 @@ def main(argv: list[str] | None = None) -> dict:
     # gemma3-270m does not fit 60 s on 2 cores even at 128 shared tokens (about 85 s): quick runs tiny-llama
     quick = dict(model="tiny-llama", context=256, output_tokens=8, warmup=2, overhead_pairs=8, saturation=3,
                  loads=[1.0], trajectories=6, full_load_trajectories=6, soak_s=0.0, soak_concurrency=2,
-                 soak_sample_s=1.0)
+                 soak_sample_s=1.0, soak_context=128)
     full = dict(model=DEFAULT_MODEL, context=2048, output_tokens=16, warmup=6, overhead_pairs=20, saturation=4,
                 loads=[0.5, 1.0], trajectories=10, full_load_trajectories=30, soak_s=600.0, soak_concurrency=4,
-                soak_sample_s=10.0)
+                soak_sample_s=10.0, soak_context=256)
     fill_defaults(args, quick, full)
     if args.quick:
         args.vllm_serve = False
-    for name in ("context", "output_tokens", "overhead_pairs", "saturation", "trajectories", "soak_concurrency"):
+    for name in ("context", "output_tokens", "overhead_pairs", "saturation", "trajectories", "soak_concurrency",
+                 "soak_context"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not args.loads or min(args.loads) <= 0:
