@@ -4,7 +4,7 @@ Routes: `POST /v1/chat/completions` (a JSON reply, or Server-Sent Events with `s
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). A request's way through:
 
 1. the tenant from its API key (401 without one, when keys are configured);
-2. the body, read up to `max_body_bytes` (413 past it) and parsed (`api.read_request`: 400s);
+2. the body, read up to `max_body_bytes` (413 past it) and parsed (`read_request`: 400s);
 3. who calls (`identity`), and the call laid out as the adapters lay theirs (`prepare`);
 4. admission: at most `max_in_flight` requests are served at once, the rest get a 429 with
    `Retry-After` instead of waiting without bound;
@@ -36,8 +36,8 @@ from starlette.requests import ClientDisconnect
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
-from agentcache.serve import api
-from agentcache.serve.api import ApiError
+from agentcache.serve.api import (FINISH_REASONS, ApiError, chunk, completion, completion_id, error_body,
+                                  read_request, usage)
 from agentcache.serve.config import ServeConfig
 from agentcache.serve.identity import METRICS_TENANT, Identities
 from agentcache.serve.messages import read_messages
@@ -49,7 +49,7 @@ from agentcache.transcript import UnsupportedMessageError
 
 __all__ = ["create_app"]
 
-log = logging.getLogger("agentcache.serve")
+log = logging.getLogger(__name__)
 
 _BAD_REQUEST = (InputError, ContextLengthError, UnsupportedMessageError)  # raised by the runtime on bad input
 
@@ -110,16 +110,16 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(api.error_body(error), status_code=error.status, headers=error.headers)
+        return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(api.error_body(ApiError(error.status_code, str(error.detail))), status_code=error.status_code)
+        return JSONResponse(error_body(ApiError(error.status_code, str(error.detail))), status_code=error.status_code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error serving a request")
-        body = api.error_body(ApiError(500, f"internal error ({type(error).__name__}); see the server's log"))
+        body = error_body(ApiError(500, f"internal error ({type(error).__name__}); see the server's log"))
         return JSONResponse(body, status_code=500)
 
     @app.get("/health")
@@ -154,7 +154,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         try:
             tenant = _tenant(config, request)
             body = await _read_body(request, config.max_body_bytes)
-            chat = api.read_request(body)
+            chat = read_request(body)
             if chat.model not in names:
                 raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves {model!r}",
                                param="model", code="model_not_found")
@@ -198,7 +198,7 @@ class _Reply:
                  metrics: ServeMetrics) -> None:
         self.runtime, self.prepared, self.model = runtime, prepared, model
         self.include_usage, self.how, self.metrics = include_usage, how, metrics
-        self.id = api.completion_id()
+        self.id = completion_id()
         self.cancel = threading.Event()
 
     @property
@@ -227,7 +227,7 @@ class _Reply:
         self.metrics.outcome(self.agent, "ok")
         parsed = self.prepared.parse(result.text)
         content, calls = _content_and_calls(result.text, parsed)
-        body = api.completion(self.id, self.model, content, calls, _finish(result, calls), self._usage(result),
+        body = completion(self.id, self.model, content, calls, _finish(result, calls), self._usage(result),
                               self._extension(result, parsed))
         return JSONResponse(body)
 
@@ -237,7 +237,7 @@ class _Reply:
         created = int(time.time())
         finished = False
         try:
-            yield _sse(api.chunk(self.id, self.model, created, {"role": "assistant", "content": ""}))
+            yield _sse(chunk(self.id, self.model, created, {"role": "assistant", "content": ""}))
             stream = None if self.prepared.tool_format is None else ContentStream(self.prepared.tool_format)
             result = None
             try:
@@ -248,7 +248,7 @@ class _Reply:
                         break
                     text = item if stream is None else stream.push(item)
                     if text:
-                        yield _sse(api.chunk(self.id, self.model, created, {"content": text}))
+                        yield _sse(chunk(self.id, self.model, created, {"content": text}))
             except RequestCancelled:
                 return  # counted as cancelled below
             except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
@@ -257,7 +257,7 @@ class _Reply:
                     log.exception("unexpected error while streaming a reply")
                 self.metrics.outcome(self.agent, "bad_request" if bad else "error")
                 error = ApiError(400, str(exc)) if bad else ApiError(500, f"internal error ({type(exc).__name__})")
-                yield _sse(api.error_body(error))
+                yield _sse(error_body(error))
                 yield "data: [DONE]\n\n"
                 finished = True
                 return
@@ -267,13 +267,13 @@ class _Reply:
             content, calls = _content_and_calls(result.text, parsed)
             rest = stream.rest(content or "") if stream is not None else ""
             if rest:
-                yield _sse(api.chunk(self.id, self.model, created, {"content": rest}))
+                yield _sse(chunk(self.id, self.model, created, {"content": rest}))
             for index, call in enumerate(calls):
-                yield _sse(api.chunk(self.id, self.model, created, {"tool_calls": [{"index": index, **call}]}))
-            yield _sse(api.chunk(self.id, self.model, created, {}, _finish(result, calls),
+                yield _sse(chunk(self.id, self.model, created, {"tool_calls": [{"index": index, **call}]}))
+            yield _sse(chunk(self.id, self.model, created, {}, _finish(result, calls),
                                  extension=self._extension(result, parsed)))
             if self.include_usage:
-                yield _sse(api.chunk(self.id, self.model, created, None, usage_=self._usage(result)))
+                yield _sse(chunk(self.id, self.model, created, None, usage_=self._usage(result)))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
@@ -282,7 +282,7 @@ class _Reply:
             slot.release()
 
     def _usage(self, result: CallResult) -> dict[str, Any]:
-        return api.usage(result.prompt_tokens, len(result.token_ids), result.cached_tokens)
+        return usage(result.prompt_tokens, len(result.token_ids), result.cached_tokens)
 
     def _extension(self, result: CallResult, parsed: ParsedOutput | None) -> dict[str, Any]:
         """agentcache's own figures of the call, beside OpenAI's fields (clients ignore unknown keys)."""
@@ -310,7 +310,7 @@ def _content_and_calls(text: str, parsed: ParsedOutput | None) -> tuple[str | No
 
 
 def _finish(result: CallResult, calls: list[dict[str, Any]]) -> str:
-    return "tool_calls" if calls else api.FINISH_REASONS.get(result.finish_reason, "stop")
+    return "tool_calls" if calls else FINISH_REASONS.get(result.finish_reason, "stop")
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from agentcache.serve.config import ServeConfig
 
 __all__ = ["serve", "is_loopback", "check_bind", "ServerThread"]
 
-log = logging.getLogger("agentcache.serve")
+log = logging.getLogger(__name__)
 
 
 def _stopped(_signal: int, _frame: object) -> None:
