@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 
 from agentcache.errors import InputError, PlanError
 
-__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot", "MAX_TOKEN_ID"]
+__all__ = ["Segment", "AgentCall", "DispatchEvent", "output_slot", "output_author", "MAX_TOKEN_ID"]
 
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; engines check their own size
 
@@ -38,6 +38,11 @@ def _optional_name(value: str | None, what: str) -> str | None:
 def output_slot(agent: str) -> str:
     """The slot of an agent's output as other agents read it."""
     return f"out:{agent}"
+
+
+def output_author(slot: str) -> str | None:
+    """The agent whose output `slot` is (`output_slot`'s inverse); None for any other slot."""
+    return slot.removeprefix("out:") if slot.startswith("out:") else None
 
 
 class Segment(_Validated):

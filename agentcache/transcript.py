@@ -57,7 +57,7 @@ __all__ = ["ChatTurn", "ChatML", "build_call", "chat_format", "split_known", "st
            "UnsupportedMessageError"]
 
 TRANSCRIPT_STOP = ("\n###",)
-_MIN_KNOWN_CHARS = 24  # shorter shared texts are not worth a PH segment inside a monolithic prompt
+MIN_KNOWN_CHARS = 24  # shorter shared texts are not worth a PH segment inside a monolithic prompt
 
 
 class UnsupportedMessageError(ValueError):
@@ -324,7 +324,7 @@ def split_known(text: str, known: Mapping[str, str]) -> list[Segment]:
     if text.strip() in known:
         return [Segment.ph(known[text.strip()], text)]
     quotes: list[tuple[int, int, str]] = []  # (start, end, slot), non-overlapping, longest first
-    for shared in sorted((k for k in known if len(k) >= _MIN_KNOWN_CHARS), key=len, reverse=True):
+    for shared in sorted((k for k in known if len(k) >= MIN_KNOWN_CHARS), key=len, reverse=True):
         start = text.find(shared)
         while start != -1:
             end = start + len(shared)

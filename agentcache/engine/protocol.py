@@ -219,6 +219,10 @@ class ExecRequest:
                 raise PlanError(f"{name} must be a non-empty string or None, got {value!r}")
 
     @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled is not None and self.cancelled.is_set()
+
+    @property
     def token_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.token_ids]
 

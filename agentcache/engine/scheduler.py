@@ -144,10 +144,10 @@ class BatchScheduler:
 
     def _drop_cancelled(self) -> None:
         """Requests their callers cancelled leave now: blocks freed, nothing cached."""
-        for live in [live for live in self.live if _cancelled(live.request)]:
+        for live in [live for live in self.live if live.request.is_cancelled]:
             self.cancelled += 1
             self._drop(live, RequestCancelled("the caller cancelled the request"))
-        for job in [job for job in self.waiting if _cancelled(job.request)]:
+        for job in [job for job in self.waiting if job.request.is_cancelled]:
             self.cancelled += 1
             self.waiting.remove(job)
             _fail(job.future, RequestCancelled("the caller cancelled the request before it was admitted"))
@@ -497,10 +497,6 @@ class _CallbackError(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _cancelled(request: ExecRequest) -> bool:
-    return request.cancelled is not None and request.cancelled.is_set()
 
 
 def _fail(future: Future, exc: BaseException) -> None:

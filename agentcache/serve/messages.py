@@ -15,15 +15,13 @@ import json
 from typing import Any, Mapping, Sequence
 
 from agentcache.serve.api import ApiError
-from agentcache.segments import output_slot
+from agentcache.segments import output_author
 from agentcache.toolcalls import ToolCall
-from agentcache.transcript import ChatTurn
+from agentcache.transcript import MIN_KNOWN_CHARS, ChatTurn
 
 __all__ = ["Transcript", "read_messages"]
 
 _SYSTEM_ROLES = ("system", "developer")
-OUTPUT_PREFIX = output_slot("")  # "out:", the slot prefix of agents' outputs
-MIN_KNOWN_CHARS = 24  # a shorter text is not matched to the output that holds it
 
 
 class Transcript:
@@ -64,7 +62,7 @@ def _known_author(text: str, known: Mapping[str, str] | None, caller: str) -> st
     not a short reply anyone could write ("OK", "TERMINATE"), and another agent than the caller."""
     text = text.strip()
     slot = (known or {}).get(text) if len(text) >= MIN_KNOWN_CHARS else None
-    author = slot.removeprefix(OUTPUT_PREFIX) if slot and slot.startswith(OUTPUT_PREFIX) else None
+    author = output_author(slot) if slot else None
     return author if author != caller else None
 
 

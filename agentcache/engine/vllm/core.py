@@ -237,7 +237,7 @@ class VLLMCore:
                     self._start(job)
             except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
                 job.future.set_exception(exc)
-        for live in [live for live in self._live.values() if _cancelled(live.request)]:
+        for live in [live for live in self._live.values() if live.request.is_cancelled]:
             self.cancelled += 1  # vLLM frees its blocks; nothing it computed is cached under our tags
             self._drop(live, RequestCancelled("the caller cancelled the request"))
         if self.engine.has_unfinished_requests():
@@ -472,10 +472,6 @@ class VLLMCore:
             cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
             segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
         )
-
-
-def _cancelled(request: ExecRequest) -> bool:
-    return request.cancelled is not None and request.cancelled.is_set()
 
 
 def _weights_key(directory: Path) -> bytes:
