@@ -26,6 +26,10 @@ class RuntimeConfig:
     # is in flight, or within a CPU budget: `agentcache.idle`) or "after_call" (before `run`
     # returns: deterministic decisions, for evaluations and tests)
     learn: str = "idle"
+    # with persisted anchors (`Runtime(anchors_dir=...)`): every this many seconds, when idle, take in
+    # what other instances sharing the store learned and store what this one learned; None: only
+    # at the tenant's first call and on `close`
+    anchor_sync_s: float | None = 30.0
     # the warm-up gate and rate limit (r_min, warmup_min_gap); the learning constants too when the
     # engine's eviction policy is not Survival (Survival brings its own ScoutConfig)
     scout: ScoutConfig = field(default_factory=ScoutConfig)
@@ -39,6 +43,11 @@ class RuntimeConfig:
             raise InputError(f"RuntimeConfig.keep_calls must be an int >= 0 (0 keeps no records), got {self.keep_calls!r}")
         if self.learn not in LEARN_MODES:
             raise InputError(f"RuntimeConfig.learn must be one of {LEARN_MODES}, got {self.learn!r}")
+        if self.anchor_sync_s is not None and not (isinstance(self.anchor_sync_s, (int, float))
+                                                   and not isinstance(self.anchor_sync_s, bool)
+                                                   and 0 < self.anchor_sync_s < float("inf")):
+            raise InputError(f"RuntimeConfig.anchor_sync_s must be a positive number of seconds or None, "
+                             f"got {self.anchor_sync_s!r}")
         if not isinstance(self.scout, ScoutConfig):
             raise InputError(f"RuntimeConfig.scout must be a ScoutConfig, got {type(self.scout).__name__}")
 

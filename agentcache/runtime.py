@@ -17,6 +17,7 @@ import asyncio
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_all
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ import torch
 from agentcache.calls import CallPlan, awaited_context, plan_call
 from agentcache.config import RuntimeConfig
 from agentcache.correction import make_corrector
+from agentcache.correction.anchor_store import AnchorStore
 from agentcache.correction.persist import AnchorFiles
 from agentcache.correction.plan import Served, TokenizedCall
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RequestCancelled, RopeAlignmentError
-from agentcache.idle import IdleWorker
+from agentcache.idle import IdleWorker, Lesson
 from agentcache.isolation import Scope
 from agentcache.metrics import CallLog, CallResult
 from agentcache.models import DEFAULT_MODEL
@@ -75,11 +77,13 @@ class Runtime:
     def __init__(self, engine: Engine | None = None, *, model: Any = None, strategy: str | Strategy = "kvcmas",
                  config: RuntimeConfig | None = None, check: CheckReport | None = None,
                  recorder: TraceRecorder | None = None, on_call: Callable[[CallResult], None] | None = None,
-                 anchors_dir: str | Path | None = None) -> None:
+                 anchors_dir: str | Path | AnchorStore | None = None) -> None:
         """`check`: a self-check report to trust instead of running the check; `on_call`: called with
         every finished call's record (e.g. `metrics.JsonlSink(path)`); `anchors_dir`: where the
-        strategy's anchor pools and verification records persist (`correction.persist`): loaded
-        for each tenant when it first calls, saved by `save_anchors()` and `close()`."""
+        strategy's anchor pools and verification records persist (`correction.persist`), a directory
+        or an `AnchorStore` that other instances may share: loaded for each tenant when it first
+        calls, exchanged with the store every `config.anchor_sync_s` when idle, saved by
+        `save_anchors()` and `close()`."""
         self.config = RuntimeConfig.checked(config)
         check = CheckReport.checked(check)
         self.log = CallLog(self.config.keep_calls, on_call)
@@ -100,8 +104,15 @@ class Runtime:
         # what finished calls teach the strategy, learned while no call is in flight
         self._idle = IdleWorker(lambda: not self._flying, self._lock, on_fault=self._lesson_failed)
         self.anchors = AnchorFiles.open(anchors_dir, self.engine, self.corrector)  # None: not persisted
+        self._closing = threading.Event()
+        self._anchor_syncer: threading.Thread | None = None
         if self.anchors is not None:
             self.anchors.load(None)  # the default tenant now: a mismatched file is refused here
+            if self.config.anchor_sync_s is not None:
+                self._anchor_syncer = threading.Thread(
+                    target=_sync_anchors_every, args=(weakref.ref(self), self.config.anchor_sync_s, self._closing),
+                    name="agentcache-anchor-sync", daemon=True)
+                self._anchor_syncer.start()
 
     # --- running calls -------------------------------------------------------------------
 
@@ -310,6 +321,7 @@ class Runtime:
     def close(self) -> None:
         """Let a planned warm-up and the pending learning finish, and save the anchor pools when
         they persist (call before exiting: the engine's loop is a daemon thread)."""
+        self._closing.set()
         self.scout.wait()
         self._idle.drain(LEARN_TIMEOUT_S)
         self.save_anchors()
@@ -321,6 +333,13 @@ class Runtime:
             return []
         with self._lock:
             return self.anchors.save()
+
+    def sync_anchors(self) -> None:
+        """Exchange anchors with the store now: take in what other instances stored, store what
+        this runtime learned (it also happens every `config.anchor_sync_s`, when idle)."""
+        if self.anchors is not None:
+            with self._lock, torch.inference_mode():
+                self.anchors.sync()
 
     def wait_warmup(self) -> None:
         """Let a planned warm-up finish."""
@@ -363,6 +382,18 @@ class Runtime:
         with self._lock:  # one snapshot: calls are recorded under the lock
             summary, calls = self.summary(), self.results
         return self.log.export_json(path, summary, calls)
+
+
+def _sync_anchors_every(runtime: "weakref.ref[Runtime]", seconds: float, closing: threading.Event) -> None:
+    """Hand the runtime's idle worker an anchor sync every `seconds` until it closes or is collected
+    (the thread holds it only weakly)."""
+    while not closing.wait(seconds):
+        rt = runtime()
+        if rt is None:
+            return
+        files = rt.anchors
+        rt._idle.submit([Lesson("anchor_sync", study=lambda: None, apply=lambda _: files.sync())])
+        del rt
 
 
 def _engine(engine: Engine | None, model: Any) -> Engine:

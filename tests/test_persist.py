@@ -155,9 +155,9 @@ def test_loaded_anchors_get_fresh_ids_no_store_id_can_equal(tmp_path):
         made = store.put(Scope(), "query", "agent0", list(range(9)), SegmentKV(torch.randn(3, 2, 9, 32),
                                                                                 torch.randn(3, 2, 9, 32), 0), "dense")
         assert again.anchor((None, "query"), made.id) is None
-    # loading twice adds two copies under distinct ids (never merged into one anchor)
-    load_pools(again, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
-    assert again.num_anchors == 6 and len({a.source_id for _, a in _anchors(again)}) == 6
+    # loading twice adds nothing: the bank holds those anchors' uids already
+    assert load_pools(again, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 0
+    assert again.num_anchors == 3 and {a.uid for _, a in _anchors(again)} == {a.uid for _, a in _anchors(bank)}
 
 
 def test_each_tenant_has_its_own_file_and_never_gets_anothers_anchors(tmp_path):
@@ -308,20 +308,18 @@ def test_failed_save_leaves_the_previous_file_and_no_temporary(tmp_path, monkeyp
     monkeypatch.undo()
     assert path.read_bytes() == data and os.listdir(path.parent) == [path.name]
 
-    def half_written(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def half_written(fd):  # the temporary file holds the data, not yet durable
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(persist, "save_file", half_written)
+    monkeypatch.setattr(os, "fsync", half_written)
     with pytest.raises(RuntimeError, match="interrupted"):
         save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
     monkeypatch.undo()
     assert path.read_bytes() == data and os.listdir(path.parent) == [path.name]
     assert load_pools(_big_bank(), tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 3
 
-    save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)  # a good save replaces it
-    assert load_pools(_big_bank(), tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 4
+    save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)  # a good save merges into it
+    assert load_pools(_big_bank(), tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 3 + 4
     assert os.listdir(path.parent) == [path.name]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -52,6 +53,7 @@ class Anchor:
     serial: int = 0  # insertion order
     uses: int = 0
     counted_bytes: int = 0  # what its bank counted for it (kept apart: a corrupt anchor cannot say)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # the same in every instance that loads it
 
     @property
     def length(self) -> int:

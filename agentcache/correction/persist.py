@@ -1,9 +1,10 @@
-"""Anchor pools on disk: one safetensors file per model and tenant, loaded into a later process.
+"""Anchor pools persisted: one safetensors blob per model and tenant, loaded into a later process
+or shared by several instances at once.
 
-A file holds every anchor of one tenant's pools, for the weights that computed their KV and for
-the strategy settings that shaped them:
+A blob holds every anchor of one tenant's pools, for the weights that computed their KV and for
+the strategy settings that shaped them, in an `AnchorStore` (a directory to start with):
 
-    <directory>/<model digest[:32]>/<tenant file name>.safetensors
+    <store>/<model digest[:32]>/<tenant file name>.safetensors
 
 The tenant file name is "default" for the default tenant (None), else a sha256 prefix of the
 tenant: no tenant's text ever appears in a path. Tensors are stored under systematic names
@@ -15,6 +16,13 @@ Why safetensors: loading one executes no code (unlike pickle, which `torch.load`
 file from anywhere can at worst be refused. A load checks everything (version, model, strategy,
 tenant, tensor names, shapes, finiteness) before it adds a single anchor: a refused file leaves
 the bank as it was. A save replaces the file atomically: a failed save leaves the previous file.
+
+Several writers: each anchor carries a `uid` minted where it was learned. A save reads the blob,
+merges it with the bank (the bank's anchors first, then the blob's others, up to each pool's
+capacity; the bank's verification records over the blob's), and writes only if nobody wrote in
+between (`AnchorStore.write`'s compare-and-swap), else reads and merges again: no writer drops
+another's anchors unread, and no reader sees half a blob. `AnchorFiles.sync` pulls what other
+instances wrote (anchors whose uid the bank lacks) and pushes what this one learned.
 """
 
 from __future__ import annotations
@@ -26,21 +34,21 @@ import json
 import logging
 import os
 import re
-import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Hashable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
+from agentcache.correction.anchor_store import AnchorStore, DirectoryStore, Stored, open_store
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import Factors
 from agentcache.correction.strategies import Strategy
 from agentcache.errors import InputError
 
-__all__ = ["FORMAT_VERSION", "STRATEGY_SETTINGS", "model_digest", "pools_path", "save_pools", "load_pools",
-           "AnchorFiles"]
+__all__ = ["FORMAT_VERSION", "STRATEGY_SETTINGS", "model_digest", "blob_name", "pools_path", "save_pools",
+           "load_pools", "AnchorFiles"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ STRATEGY_SETTINGS = ("name", "chained", "base_rank", "delta_rank", "max_anchors"
 SAMPLED_VALUES = 4096  # per parameter, evenly spaced, in the weight fingerprint
 EDGE_BYTES = 1 << 20  # of a weight file: its first and last MiB are hashed
 WEIGHT_FILES = ("*.safetensors", "*.gguf")
+WRITE_ATTEMPTS = 8  # a save that keeps losing the race to other writers gives up after this many
 
 _fresh_ids = itertools.count()  # loaded anchors' source ids, unique in this process
 _NO_TENANT = object()  # the "tenant" of a pool key not of the form (tenant, slot): equals no tenant
@@ -122,8 +131,8 @@ def _feed_directory(h: "hashlib._Hash", directory: Path) -> None:
 # --- where ---------------------------------------------------------------------------------
 
 
-def pools_path(directory: str | os.PathLike[str], model_digest: str, tenant: str | None) -> Path:
-    """The file of `tenant`'s pools for the model `model_digest` under `directory`."""
+def blob_name(model_digest: str, tenant: str | None) -> str:
+    """The store name of `tenant`'s pools for the model `model_digest`."""
     if not (isinstance(model_digest, str) and re.fullmatch(r"[0-9a-f]{32,}", model_digest)):
         raise InputError(f"model_digest must be a hex digest of at least 32 characters (from model_digest()), "
                          f"got {model_digest!r}")
@@ -133,7 +142,16 @@ def pools_path(directory: str | os.PathLike[str], model_digest: str, tenant: str
         name = "default"
     else:
         name = "tenant-" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return Path(directory) / model_digest[:32] / f"{name}.safetensors"
+    return f"{model_digest[:32]}/{name}.safetensors"
+
+
+def pools_path(directory: str | os.PathLike[str], model_digest: str, tenant: str | None) -> Path:
+    """The file of `tenant`'s pools for the model `model_digest` in the directory store `directory`."""
+    return Path(directory) / blob_name(model_digest, tenant)
+
+
+def _where(store: AnchorStore, name: str) -> Path | PurePosixPath:
+    return store.path(name) if isinstance(store, DirectoryStore) else PurePosixPath(store.location, name)
 
 
 def _settings(strategy: Strategy) -> dict:
@@ -145,33 +163,82 @@ def _settings(strategy: Strategy) -> dict:
 # --- saving --------------------------------------------------------------------------------
 
 
-def save_pools(bank: AnchorBank, directory: str | os.PathLike[str], *, model_digest: str, strategy: Strategy,
-               tenant: str | None, edges: list[dict] | None = None) -> Path | None:
-    """Write every anchor of `tenant`'s pools (keys `(tenant, slot)`) to its one file, atomically,
-    with `edges` (the tenant's verification records, plain JSON) in its metadata; its path, or None
-    when the tenant has neither (an existing file is then left as it is).
-    Anchors that do not fit their own shapes or hold NaN/Inf are left out (logged). Call it with
-    whatever lock guards `bank` held."""
-    path = pools_path(directory, model_digest, tenant)
+def save_pools(bank: AnchorBank, store: str | os.PathLike[str] | AnchorStore, *, model_digest: str,
+               strategy: Strategy, tenant: str | None, edges: list[dict] | None = None) -> Path | PurePosixPath | None:
+    """Merge every anchor of `tenant`'s pools (keys `(tenant, slot)`) and `edges` (the tenant's
+    verification records, plain JSON) into its blob in `store` (a directory or an AnchorStore), and
+    write it whole; where it is, or None when the tenant has neither (the blob is then left as it
+    is). What other writers stored is kept (see the module's docstring); a blob that cannot be read
+    is replaced. Anchors that do not fit their own shapes or hold NaN/Inf are left out (logged).
+    Call it with whatever lock guards `bank` held."""
+    store = open_store(store)
+    name = blob_name(model_digest, tenant)
     settings = _settings(strategy)
-    held = sorted(((key[1], a) for key, pool in list(bank.pools.items()) if _tenant_of(key) == tenant
-                   for a in list(pool.anchors.values())), key=lambda item: item[1].serial)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # storages already taken
-    records = []
-    for slot, anchor in held:
-        if not _sound(anchor):
+    own = []
+    for slot, anchor in sorted(((key[1], a) for key, pool in list(bank.pools.items()) if _tenant_of(key) == tenant
+                                for a in list(pool.anchors.values())), key=lambda item: item[1].serial):
+        if _sound(anchor):
+            own.append((slot, anchor))
+        else:
             log.warning("not saving anchor %s of slot %r: its shapes are inconsistent or it holds NaN/Inf",
                         anchor.source_id, slot)
-            continue
-        records.append(_record(len(records), slot, anchor, tensors, seen))
-    if not records and not edges:
+    if not own and not edges:
         return None
-    header = dict(format=FORMAT_VERSION, model_digest=model_digest, strategy=settings, tenant=tenant, anchors=records,
-                  edges=list(edges or []))
-    _write_atomically(path, tensors, {METADATA_KEY: json.dumps(header)})
-    log.info("saved %d anchors (%d tensors) to %s", len(records), len(tensors), path)
-    return path
+    for _ in range(WRITE_ATTEMPTS):
+        current = store.read(name)
+        theirs, their_edges, generation = _readable(current, store, name, model_digest, settings, tenant)
+        kept = _merged(own, theirs, strategy.max_anchors)
+        mine = {a.uid for _, a in own}
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()  # storages already taken
+        records = [_record(i, slot, anchor, tensors, seen) for i, (slot, anchor) in enumerate(kept)]
+        header = dict(format=FORMAT_VERSION, model_digest=model_digest, strategy=settings, tenant=tenant,
+                      generation=generation + 1, anchors=records, edges=_merged_edges(edges or [], their_edges))
+        data = save_tensors(tensors, metadata={METADATA_KEY: json.dumps(header)})
+        if store.write(name, data, expected=None if current is None else current.version) is not None:
+            log.info("saved %d anchors (%d of them other writers') to %s, generation %d", len(records),
+                     len(kept) - sum(a.uid in mine for _, a in kept), _where(store, name), generation + 1)
+            return _where(store, name)
+    raise OSError(f"could not save anchor pools to {_where(store, name)}: other writers changed it "
+                  f"{WRITE_ATTEMPTS} times while this one merged")
+
+
+def _readable(current: Stored | None, store: AnchorStore, name: str, digest: str, settings: dict,
+              tenant: str | None) -> tuple[list[tuple[str, Anchor]], list[dict], int]:
+    """The anchors, verification records and generation of the stored blob; nothing for a blob
+    that is absent or cannot be read (logged: the save replaces it)."""
+    if current is None:
+        return [], [], 0
+    try:
+        header, anchors = _parsed(current.data, _where(store, name), digest, settings, tenant, None)
+    except InputError as exc:
+        log.warning("replacing %s: %s", _where(store, name), exc)
+        return [], [], 0
+    generation = header.get("generation", 0)
+    return anchors, header.get("edges", []), generation if type(generation) is int else 0
+
+
+def _merged(own: list[tuple[str, Anchor]], theirs: list[tuple[str, Anchor]],
+            capacity: int) -> list[tuple[str, Anchor]]:
+    """Per slot, the bank's anchors, then the blob's others (uids the bank lacks), up to `capacity`."""
+    uids = {anchor.uid for _, anchor in own}
+    counts: dict[str, int] = {}
+    kept = []
+    for slot, anchor in own + [(s, a) for s, a in theirs if a.uid not in uids]:
+        if counts.get(slot, 0) < capacity:
+            counts[slot] = counts.get(slot, 0) + 1
+            kept.append((slot, anchor))
+    return kept
+
+
+def _edge_key(record: dict) -> tuple:
+    return tuple(record.get(k) for k in ("slot", "source", "consumer", "exact_source", "after"))
+
+
+def _merged_edges(own: list[dict], theirs: list[dict]) -> list[dict]:
+    """The bank's verification records, then the blob's for edges the bank has none of."""
+    known = {_edge_key(r) for r in own}
+    return list(own) + [r for r in theirs if isinstance(r, dict) and _edge_key(r) not in known]
 
 
 def _tenant_of(key: Hashable) -> Any:
@@ -209,7 +276,8 @@ def _record(index: int, slot: str, anchor: Anchor, tensors: dict[str, torch.Tens
                                 keys=put(f"{at}.keys", c.keys), values=put(f"{at}.values", c.values),
                                 glue_keys=put(f"{at}.glue_keys", c.glue_keys),
                                 glue_values=put(f"{at}.glue_values", c.glue_values)))
-    return dict(slot=slot, source_id=anchor.source_id, source=anchor.source, serial=anchor.serial, uses=anchor.uses,
+    return dict(slot=slot, uid=anchor.uid, source_id=anchor.source_id, source=anchor.source, serial=anchor.serial,
+                uses=anchor.uses,
                 length=anchor.length, keys=put(f"{prefix}.keys", anchor.keys),
                 values=put(f"{prefix}.values", anchor.values), corrections=corrections)
 
@@ -228,59 +296,39 @@ def _storable(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
     return t
 
 
-def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write to a temporary file beside `path`, fsync it, then rename it over `path`; on any failure
-    the temporary file goes and `path` stays as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible everywhere)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 # --- loading -------------------------------------------------------------------------------
 
 
-def load_pools(bank: AnchorBank, directory: str | os.PathLike[str], *, model_digest: str, strategy: Strategy,
+def load_pools(bank: AnchorBank, store: str | os.PathLike[str] | AnchorStore, *, model_digest: str,
+               strategy: Strategy, tenant: str | None, layout: Any = None, device: torch.device | str = "cpu",
+               edges: list | None = None) -> int:
+    """Add the anchors of `tenant`'s blob in `store` (a directory or an AnchorStore) into `bank`
+    (through `AnchorBank.add`: its capacity and byte budget hold) in their saved order, with their
+    uses; the number of them the bank holds afterwards. No blob: 0. Each gets a fresh source id
+    ("persisted:<n>", which no SegmentStore id "<slot>#<serial>" can equal) and keeps its uid.
+    Anchors whose uid the bank already holds are skipped. Raises InputError, adding nothing, when
+    the blob is corrupt or was written for another format version, model, strategy setting or
+    tenant, or (given the model's KV `layout`) its shapes do not fit the model. The blob's
+    verification records are appended to `edges` when it is given."""
+    store, _ = open_store(store), _settings(strategy)
+    current = store.read(blob_name(model_digest, tenant))
+    if current is None:
+        return 0
+    return add_stored(bank, current, _where(store, blob_name(model_digest, tenant)), model_digest=model_digest,
+                      strategy=strategy, tenant=tenant, layout=layout, device=device, edges=edges)
+
+
+def add_stored(bank: AnchorBank, stored: Stored, where: Any, *, model_digest: str, strategy: Strategy,
                tenant: str | None, layout: Any = None, device: torch.device | str = "cpu",
                edges: list | None = None) -> int:
-    """Add the anchors of `tenant`'s file into `bank` (through `AnchorBank.add`: its capacity and
-    byte budget hold) in their saved order, with their uses; the number of them the bank holds
-    afterwards. No file: 0. Each gets a fresh source id ("persisted:<n>", which no SegmentStore id
-    "<slot>#<serial>" can equal). Raises InputError, adding nothing, when the file is corrupt or
-    was written for another format version, model, strategy setting or tenant, or (given the
-    model's KV `layout`) its shapes do not fit the model. The file's verification records are
-    appended to `edges` when it is given."""
-    path = pools_path(directory, model_digest, tenant)
-    settings = _settings(strategy)
-    if not path.is_file():
-        return 0
-    header, tensors = _read(path)
-    _check_header(path, header, model_digest, settings, tenant)
-    records = header.get("anchors")
-    if not isinstance(records, list):
-        raise _refusal(path, "its metadata has no list of anchors")
-    anchors = [_anchor(path, i, record, tensors, layout) for i, record in enumerate(records)]
+    """`load_pools` for a blob already read (`where` names it in messages)."""
+    header, anchors = _parsed(stored.data, where, model_digest, _settings(strategy), tenant, layout)
     anchors.sort(key=lambda item: item[1].serial)
-    saved_edges = header.get("edges", [])
-    if not (isinstance(saved_edges, list) and all(isinstance(e, dict) for e in saved_edges)):
-        raise _refusal(path, "its verification records are not a list of objects")
+    held_uids = {a.uid for pool in bank.pools.values() for a in pool.anchors.values()}
     loaded = []
     for slot, anchor in anchors:  # everything is checked: only now does the bank change
+        if anchor.uid in held_uids:
+            continue
         key, source_id = (tenant, slot), f"persisted:{next(_fresh_ids)}"
         keys, values = _to(anchor.keys, device), _to(anchor.values, device)
         for consumer, c in anchor.corrections.items():
@@ -290,40 +338,56 @@ def load_pools(bank: AnchorBank, directory: str | os.PathLike[str], *, model_dig
                 break  # too large for the budget on its own
         held = bank.anchor(key, source_id)
         if held is not None:
-            held.uses = anchor.uses
+            held.uses, held.uid = anchor.uses, anchor.uid
             loaded.append((key, source_id))
     count = sum(bank.anchor(key, source_id) is not None for key, source_id in loaded)  # later ones may evict
     if edges is not None:
-        edges.extend(saved_edges)
-    log.info("loaded %d of %d anchors from %s", count, len(anchors), path)
+        edges.extend(header["edges"])
+    log.info("loaded %d of %d anchors from %s", count, len(anchors), where)
     return count
 
 
-def _refusal(path: Path, what: str) -> InputError:
-    return InputError(f"refusing to load anchor pools from {path}: {what}")
+def _parsed(data: bytes, where: Any, digest: str, settings: dict, tenant: str | None,
+            layout: Any) -> tuple[dict, list[tuple[str, Anchor]]]:
+    """A blob's header (its verification records checked to be a list of objects) and its anchors,
+    each checked; InputError for anything amiss."""
+    header, tensors = _decode(data, where)
+    _check_header(where, header, digest, settings, tenant)
+    records = header.get("anchors")
+    if not isinstance(records, list):
+        raise _refusal(where, "its metadata has no list of anchors")
+    anchors = [_anchor(where, i, record, tensors, layout) for i, record in enumerate(records)]
+    saved_edges = header.setdefault("edges", [])
+    if not (isinstance(saved_edges, list) and all(isinstance(e, dict) for e in saved_edges)):
+        raise _refusal(where, "its verification records are not a list of objects")
+    return header, anchors
 
 
-def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The file's metadata and the tensors it names, copied into memory of their own (not the
-    file's mapping). Anything unreadable is an InputError."""
+def _refusal(where: Any, what: str) -> InputError:
+    return InputError(f"refusing to load anchor pools from {where}: {what}")
+
+
+def _decode(data: bytes, where: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A blob's metadata and the tensors it names, in memory of their own. Anything unreadable is
+    an InputError. The header is read by hand: safetensors' `load` returns no metadata."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            text = (f.metadata() or {}).get(METADATA_KEY)
-            if text is None:
-                raise _refusal(path, f"it is not an agentcache anchor file (no {METADATA_KEY!r} metadata)")
-            header = json.loads(text)
-            if not isinstance(header, dict):
-                raise _refusal(path, "its metadata is not a JSON object")
-            present = set(f.keys())
-            wanted = _tensor_names(header)
-            missing = sorted(wanted - present)
-            if missing:
-                raise _refusal(path, f"its metadata names tensors the file does not hold: {missing[:5]}")
-            tensors = {name: f.get_tensor(name).clone() for name in sorted(wanted)}
+        size = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or size > len(data) - 8:
+            raise ValueError("truncated header")
+        text = (json.loads(data[8:8 + size]).get("__metadata__") or {}).get(METADATA_KEY)
+        if text is None:
+            raise _refusal(where, f"it is not an agentcache anchor file (no {METADATA_KEY!r} metadata)")
+        header = json.loads(text)
+        if not isinstance(header, dict):
+            raise _refusal(where, "its metadata is not a JSON object")
+        tensors = load_tensors(data)
+        missing = sorted(_tensor_names(header) - set(tensors))
+        if missing:
+            raise _refusal(where, f"its metadata names tensors the file does not hold: {missing[:5]}")
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - truncated, garbage, not safetensors, bad JSON: all corrupt
-        raise _refusal(path, f"the file is corrupt or not a safetensors file ({type(exc).__name__}: {exc})") from None
+        raise _refusal(where, f"the file is corrupt or not a safetensors file ({type(exc).__name__}: {exc})") from None
     return header, tensors
 
 
@@ -347,7 +411,7 @@ def _tensor_names(header: dict) -> set[str]:
     return names
 
 
-def _check_header(path: Path, header: dict, digest: str, settings: dict, tenant: str | None) -> None:
+def _check_header(path: Any, header: dict, digest: str, settings: dict, tenant: str | None) -> None:
     """Refuse a file of another format version, model, strategy setting or tenant."""
     if header.get("format") != FORMAT_VERSION:
         raise _refusal(path, f"it has format version {header.get('format')!r}; this agentcache reads {FORMAT_VERSION}")
@@ -364,7 +428,7 @@ def _check_header(path: Path, header: dict, digest: str, settings: dict, tenant:
         raise _refusal(path, "it holds another tenant's anchors than the tenant asked for")
 
 
-def _anchor(path: Path, index: int, record: Any, tensors: dict[str, torch.Tensor], layout: Any) -> tuple[str, Anchor]:
+def _anchor(path: Any, index: int, record: Any, tensors: dict[str, torch.Tensor], layout: Any) -> tuple[str, Anchor]:
     """One anchor rebuilt from its record and checked (shapes consistent, fitting `layout` when
     given, finite); its slot with it."""
     where = f"anchor {index}"
@@ -387,8 +451,13 @@ def _anchor(path: Path, index: int, record: Any, tensors: dict[str, torch.Tensor
                 raise ValueError("a consumer is malformed or repeated, or its glue tokens are not ints")
             corrections[consumer] = Correction(factors(c["keys"]), factors(c["values"]), tuple(glue_tokens),
                                                factors(c["glue_keys"], True), factors(c["glue_values"], True))
+        uid = record.get("uid")
+        if uid is not None and not (isinstance(uid, str) and re.fullmatch(r"[0-9a-f]{32}", uid)):
+            raise ValueError("uid is not 32 hex digits")
         anchor = Anchor(str(record.get("source_id", "")), source, factors(record["keys"]), factors(record["values"]),
                         corrections, serial=serial, uses=uses)
+        if uid is not None:  # files of earlier versions have none: a fresh one
+            anchor.uid = uid
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _refusal(path, f"{where}'s metadata is malformed ({type(exc).__name__}: {exc})") from None
     if not corrections:
@@ -422,65 +491,124 @@ def _to(factors: Factors | None, device: torch.device | str) -> Factors | None:
 
 
 class AnchorFiles:
-    """A strategy's anchor pools and verification records in `directory`, one file per tenant:
-    each tenant's file is loaded when the tenant first calls and every tenant's is saved on
-    `save`. The caller holds the lock that guards the strategy."""
+    """A strategy's anchor pools and verification records in a store, one blob per tenant: each
+    tenant's blob is loaded when the tenant first calls, every tenant's is merged into the store on
+    `save`, and `sync` exchanges anchors with the other instances that share the store. The caller
+    holds the lock that guards the strategy."""
 
-    def __init__(self, directory: Path, digest: str, strategy: Any, device: Any) -> None:
-        self.directory = directory
+    def __init__(self, store: AnchorStore, digest: str, strategy: Any, device: Any, layout: Any) -> None:
+        self.store = store
         self.digest = digest
         self.strategy = strategy  # a Corrector: .bank, .verification, .strategy, .fault
         self.device = device
-        self.layout = None
-        self.loaded: dict[str | None, int] = {}  # tenant -> anchors loaded
+        self.layout = layout
+        self.loaded: dict[str | None, int] = {}  # tenant -> anchors loaded at its first call
+        self.pulled = 0  # anchors other instances learned, taken in by `sync`
+        self.pushes = 0  # blobs written
+        self._seen: dict[str | None, str] = {}  # tenant -> version of its blob last read
+        self._pushed: dict[str | None, tuple] = {}  # tenant -> what its last save held (`_signature`)
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str] | None, engine: Any, strategy: Any) -> "AnchorFiles | None":
-        """The files of `strategy` over `engine`'s model under `directory`; None when there is no
-        directory, or the strategy learns no anchors (nothing to persist)."""
-        if directory is None:
+    def open(cls, where: str | os.PathLike[str] | AnchorStore | None, engine: Any,
+             strategy: Any) -> "AnchorFiles | None":
+        """The blobs of `strategy` over `engine`'s model in `where` (a directory or an AnchorStore);
+        None when there is no store, or the strategy learns no anchors (nothing to persist)."""
+        if where is None:
             return None
-        if not isinstance(directory, (str, os.PathLike)):
-            raise InputError(f"Runtime(anchors_dir=...) must be a path, got {type(directory).__name__}")
+        if not isinstance(where, (str, os.PathLike, AnchorStore)):
+            raise InputError(f"Runtime(anchors_dir=...) must be a directory path or an AnchorStore, "
+                             f"got {type(where).__name__}")
+        store = open_store(where)
         if getattr(strategy, "bank", None) is None or not (strategy.strategy.reuse and strategy.strategy.correct):
-            log.info("strategy %s learns no anchors: nothing persists in %s", strategy.strategy.name, directory)
+            log.info("strategy %s learns no anchors: nothing persists in %s", strategy.strategy.name, store.location)
             return None
-        files = cls(Path(directory), model_digest(engine), strategy,
-                    getattr(getattr(engine, "config", None), "device", "cpu"))
-        files.layout = engine.layout
-        return files
+        return cls(store, model_digest(engine), strategy, getattr(getattr(engine, "config", None), "device", "cpu"),
+                   engine.layout)
 
     def load(self, tenant: str | None) -> None:
-        """Load `tenant`'s file once. The default tenant's refusal is raised (it is loaded when the
+        """Load `tenant`'s blob once. The default tenant's refusal is raised (it is loaded when the
         runtime starts); another tenant's is counted as a fault and the tenant starts cold."""
         if tenant in self.loaded:
             return
         self.loaded[tenant] = 0
-        edges: list = []
         try:
-            self.loaded[tenant] = load_pools(self.strategy.bank, self.directory, model_digest=self.digest,
-                                             strategy=self.strategy.strategy, tenant=tenant, layout=self.layout,
-                                             device=self.device, edges=edges)
-            self.strategy.verification.load_json(tenant, edges)
-        except InputError as exc:
+            self.loaded[tenant] = self._pull(tenant)
+        except InputError:
             if tenant is None:
                 raise
-            self.strategy.fault("anchor_file_refused", "a tenant's anchor file; the tenant starts cold", exc)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"refusing the verification records in {pools_path(self.directory, self.digest, tenant)}: "
-                             f"{type(exc).__name__}: {exc}") from None
+        self._pushed[tenant] = self._signature(tenant)  # what was loaded needs no saving back
 
-    def save(self) -> list[Path]:
-        tenants = ({_tenant_of(key) for key in self.strategy.bank.pools}
-                   | {edge[0] for edge in self.strategy.verification.edges})
+    def sync(self) -> None:
+        """Take in what other instances stored since the last look, and store what this one learned
+        since its last save, for every tenant it has seen."""
+        for tenant in self._tenants() | set(self.loaded):
+            unchanged = self._signature(tenant) == self._pushed.get(tenant)
+            try:
+                self.pulled += self._pull(tenant)
+            except InputError as exc:  # this instance's own anchors are still saved over it
+                if tenant is None:  # another tenant's refusal was counted by `_pull`
+                    self.strategy.fault("anchor_file_refused", "the default tenant's anchor file; its anchors "
+                                                               "are not used", exc)
+            if unchanged:  # nothing of its own to add to what it just read
+                self._pushed[tenant] = self._signature(tenant)
+            else:
+                self._save(tenant)
+
+    def save(self) -> list[Path | PurePosixPath]:
         written = []
-        for tenant in sorted((t for t in tenants if t is not _NO_TENANT), key=lambda t: (t is not None, t or "")):
-            path = save_pools(self.strategy.bank, self.directory, model_digest=self.digest,
-                              strategy=self.strategy.strategy, tenant=tenant,
-                              edges=self.strategy.verification.to_json(tenant))
-            if path is not None:
-                written.append(path)
+        for tenant in sorted(self._tenants(), key=lambda t: (t is not None, t or "")):
+            where = self._save(tenant)
+            if where is not None:
+                written.append(where)
         return written
 
     def figures(self) -> dict:
-        return dict(anchors_dir=str(self.directory), anchors_loaded=sum(self.loaded.values()))
+        return dict(anchors_dir=self.store.location, anchors_loaded=sum(self.loaded.values()),
+                    anchors_pulled=self.pulled, anchor_saves=self.pushes)
+
+    def _tenants(self) -> set[str | None]:
+        tenants = ({_tenant_of(key) for key in self.strategy.bank.pools}
+                   | {edge[0] for edge in self.strategy.verification.edges})
+        return {t for t in tenants if t is not _NO_TENANT}
+
+    def _pull(self, tenant: str | None) -> int:
+        """Add the anchors of `tenant`'s blob that the bank lacks, and the verification records of
+        edges it has none of, when the blob changed since last read; how many anchors. A refused
+        blob is counted as a fault and raised (InputError)."""
+        name = blob_name(self.digest, tenant)
+        current = self.store.read(name)
+        if current is None or current.version == self._seen.get(tenant):
+            return 0
+        edges: list = []
+        try:
+            added = add_stored(self.strategy.bank, current, _where(self.store, name), model_digest=self.digest,
+                               strategy=self.strategy.strategy, tenant=tenant, layout=self.layout, device=self.device,
+                               edges=edges)
+            try:
+                self.strategy.verification.load_json(tenant, edges, replace=False)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise _refusal(_where(self.store, name), f"its verification records are malformed "
+                                                         f"({type(exc).__name__}: {exc})") from None
+        except InputError as exc:
+            self._seen[tenant] = current.version  # refused once, not again until it changes
+            if tenant is not None:
+                self.strategy.fault("anchor_file_refused", "a tenant's anchor file; its anchors are not used", exc)
+            raise
+        self._seen[tenant] = current.version
+        return added
+
+    def _save(self, tenant: str | None) -> Path | PurePosixPath | None:
+        signature = self._signature(tenant)
+        where = save_pools(self.strategy.bank, self.store, model_digest=self.digest, strategy=self.strategy.strategy,
+                           tenant=tenant, edges=self.strategy.verification.to_json(tenant))
+        self._pushed[tenant] = signature
+        self.pushes += where is not None
+        return where
+
+    def _signature(self, tenant: str | None) -> tuple:
+        """What of `tenant`'s a save would write, less the counts that change on every use."""
+        anchors = sorted((a.uid, tuple(sorted(a.corrections))) for key, pool in self.strategy.bank.pools.items()
+                         if _tenant_of(key) == tenant for a in pool.anchors.values())
+        edges = sorted((edge[1:], sum(len(kept) for kept in record.verdicts.values()))
+                       for edge, record in self.strategy.verification.edges.items() if edge[0] == tenant)
+        return tuple(anchors), tuple(map(repr, edges))

@@ -164,8 +164,9 @@ class Verification:
                                for kept in record.verdicts.values() for v in kept])
                 for edge, record in self.edges.items() if edge[0] == tenant]
 
-    def load_json(self, tenant: str | None, records: Sequence[dict]) -> int:
-        """Add `tenant`'s saved records (after validating every field); returns how many."""
+    def load_json(self, tenant: str | None, records: Sequence[dict], *, replace: bool = True) -> int:
+        """Add `tenant`'s saved records (after validating every field); returns how many. With
+        `replace` False, edges that already have a record keep theirs."""
         parsed = []
         for item in records:
             edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]),
@@ -176,5 +177,7 @@ class Verification:
                     raise ValueError(f"unknown reuse method {v['method']!r}")
                 record.record(Verdict(v["method"], bool(v["agrees"]), float(v["kl"]), int(v["tokens"])))
             parsed.append((edge, record))
+        if not replace:
+            parsed = [(edge, record) for edge, record in parsed if edge not in self.edges]
         self.edges.update(parsed)
         return len(parsed)
