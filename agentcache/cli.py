@@ -279,7 +279,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, config)  # before the model loads
     settings = {"max_batch": args.max_batch} if args.max_batch else {}
     runtime = Runtime(open_engine(args.engine, args.model, **settings), strategy=args.strategy,
-                      config=RuntimeConfig(warmup=args.warmup), anchors_dir=args.anchors_dir)
+                      config=RuntimeConfig(warmup=args.warmup, anchor_sync_s=args.anchor_sync_s or None),
+                      anchors_dir=args.anchors_dir)
     print(f"agentcache serve: {runtime.engine.model_name} ({args.engine} engine, {runtime.strategy.name}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(runtime, config, host=args.host, port=args.port, log_level=args.log_level)
@@ -353,7 +354,10 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                      help='JSON object {"<key>": "<tenant>"}: each key\'s requests are that tenant\'s')
     srv.add_argument("--anchors-dir", type=Path, default=None, metavar="DIR",
-                     help="persist the anchor pools here: loaded per tenant, saved on shutdown")
+                     help="persist the anchor pools here (instances may share it): loaded per tenant, "
+                          "exchanged every --anchor-sync-s when idle, saved on shutdown")
+    srv.add_argument("--anchor-sync-s", type=float, default=30.0, metavar="S",
+                     help="how often to exchange anchors with the --anchors-dir (0: only at start and shutdown)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     srv.add_argument("--max-in-flight", type=int, default=None,
                      help="requests served at once; more get 429 (default: 4 x the engine's batch)")

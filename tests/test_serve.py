@@ -97,6 +97,24 @@ def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the planner's prompt was cached by its first call
 
 
+def test_a_body_as_vllm_router_forwards_it_is_served_in_the_routers_session(server):
+    # vllm-router re-serializes every body with vLLM's and SGLang's extensions at their defaults,
+    # and keeps a session on one instance by X-Session-ID: the server takes that as the session
+    planner, _ = two_agents("routed")
+    routed = {"model": MODEL, "messages": planner, "max_tokens": 3, "temperature": 0, "stream": False,
+              "logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+              "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+              "return_hidden_states": False, "include_reasoning": True}
+    reply = post(server, routed, headers={"X-Session-ID": "routed-1"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["agentcache"]["session"] == "routed-1" and reply.json()["agentcache"]["instance"]
+    header_wins = post(server, routed, headers={"X-Session-ID": "routed-1", "X-Agentcache-Session": "mine"})
+    assert header_wins.json()["agentcache"]["session"] == "mine"
+    for field, value in (("ignore_eos", True), ("skip_special_tokens", False), ("continue_final_message", True)):
+        refused = post(server, routed | {field: value})
+        assert refused.status_code == 400 and field in refused.json()["error"]["param"]
+
+
 def test_openai_sdk_async_concurrent_and_streaming_match_the_whole_reply(server):
     async def main():
         async with AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0) as sdk:

@@ -105,6 +105,17 @@ class ChatRequest(_Strict):
     logit_bias: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = None
     service_tier: Literal["auto", "default"] | None = None
+    # vLLM's and SGLang's request extensions, which routers (vllm-router) add to every body they
+    # forward at these defaults: accepted at them (the reasoning switches change nothing here:
+    # no reasoning is parsed out of a reply)
+    ignore_eos: Literal[False] | None = None
+    no_stop_trim: Literal[False] | None = None
+    continue_final_message: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+    return_hidden_states: Literal[False] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     @field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty", mode="before")
     @classmethod

@@ -288,6 +288,7 @@ class _Reply:
         """agentcache's own figures of the call, beside OpenAI's fields (clients ignore unknown keys)."""
         call = self.prepared.call
         extension = {"agent": call.agent, "session": call.session, "agent_from": self.how,
+                     "instance": self.runtime.id[:12],  # which server answered (behind a router)
                      "ttft_s": result.ttft_s, "queued_s": result.queued_s, "cached_tokens": result.cached_tokens,
                      "reused_tokens": result.reused_tokens,
                      "decisions": [[segment.name, segment.decision] for segment in result.segments if segment.kind == "ph"]}

@@ -10,6 +10,7 @@ The agent, in order: the request's `agentcache.agent` field (`extra_body`), the
 (assistant) messages, what the system prompt's fingerprint was last called by one of those, and
 otherwise the fingerprint itself ("agent-<12 hex>": an unmodified client still gets one agent
 per system prompt, so per role). The session: `agentcache.session`, else `X-Agentcache-Session`,
+else `X-Session-ID` (the header routers such as vllm-router keep a session on one instance by),
 else the tenant's default session.
 """
 
@@ -27,10 +28,12 @@ from agentcache.errors import InputError
 from agentcache.serve.api import ApiError, ChatRequest
 from agentcache.serve.messages import Transcript
 
-__all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "DEFAULT_AGENT", "METRICS_TENANT"]
+__all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "ROUTER_SESSION_HEADER",
+           "DEFAULT_AGENT", "METRICS_TENANT"]
 
 AGENT_HEADER = "x-agentcache-agent"
 SESSION_HEADER = "x-agentcache-session"
+ROUTER_SESSION_HEADER = "x-session-id"  # vllm-router's consistent_hash and sticky policies key on it
 DEFAULT_AGENT = "assistant"  # a request with no system prompt and no name
 METRICS_TENANT = "metrics"  # with API keys configured, only this tenant's keys read /metrics
 _ALIASES = 4096  # fingerprints remembered per server, oldest forgotten first
@@ -91,7 +94,8 @@ class Identities:
     def caller(self, request: ChatRequest, headers: Mapping[str, str], transcript: Transcript,
                tenant: str | None) -> Caller:
         fields = request.agentcache
-        session = (fields.session if fields else None) or _header(headers, SESSION_HEADER)
+        session = ((fields.session if fields else None) or _header(headers, SESSION_HEADER)
+                   or _header(headers, ROUTER_SESSION_HEADER))
         if request.cache_salt is not None:
             tenant = f"{tenant or 'local'}#{request.cache_salt}"
         agent, how = self._agent(fields.agent if fields else None, headers, transcript, tenant)

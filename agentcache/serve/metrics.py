@@ -111,6 +111,10 @@ class _RuntimeFigures(Collector):
         if "anchors_loaded" in summary:
             yield GaugeMetricFamily("agentcache_anchors_loaded", "Anchors loaded from the persisted pools at start",
                                     value=summary["anchors_loaded"])
+            yield CounterMetricFamily("agentcache_anchors_pulled", "Anchors other instances stored, taken in since start",
+                                      value=summary["anchors_pulled"])
+            yield CounterMetricFamily("agentcache_anchor_saves", "Anchor blobs this instance wrote to the shared store",
+                                      value=summary["anchor_saves"])
         calls = CounterMetricFamily("agentcache_calls", "Calls the runtime finished")
         calls.add_metric([], summary["calls"])
         yield calls
