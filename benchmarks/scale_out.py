@@ -18,7 +18,7 @@ Phases:
 2. Policies: `--rounds` rounds; in each, every policy of `--policies` gets a router of its own
    (started for the round, stopped after) and its own fresh sessions and documents; the order
    rotates per round. `round_robin` is the baseline; the affinity policy (`--policy`, default
-   `consistent_hash`) keys on `X-Session-ID`.
+   `sticky_least_loaded`) keys on `X-Session-ID`, as `consistent_hash` does.
 3. Warm instance: a fresh instance on the shared anchors directory and a cold one on an empty
    directory, one after the other, each gets one trajectory directly; their second call (the
    first that can reuse another agent's context) is compared.
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny-llama, two instances, short documents (< 60 s)")
     parser.add_argument("--model", default=None, help=f"a preset or a model directory (full run: {DEFAULT_MODEL})")
     parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--policy", default="consistent_hash", help="the affinity policy measured against round_robin")
+    parser.add_argument("--policy", default="sticky_least_loaded", help="the affinity policy measured against round_robin")
     parser.add_argument("--policies", type=lambda v: v.split(","), default=None,
                         help="vllm-router policies to compare (round_robin is always among them)")
     parser.add_argument("--context", type=int, default=None, help="shared document tokens per session")
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     quick = dict(model="tiny-llama", context=192, output_tokens=6, sessions=6, rounds=1, rate=4.0, warmup=1, think_s=0.5,
-                 policies=["round_robin", "consistent_hash"])
+                 policies=["round_robin", "sticky_least_loaded"])
     full = dict(model=DEFAULT_MODEL, context=1024, output_tokens=16, sessions=10, rounds=2, rate=0.25, warmup=3, think_s=1.0,
                 policies=["round_robin", "consistent_hash", "sticky_least_loaded", "cache_aware"])
     fill_defaults(args, quick, full)

@@ -36,7 +36,7 @@ def test_scale_out_quick_affinity_shared_anchors_and_failover(monkeypatch, capsy
     policies = result["policies"]
     assert all(p["errors"] == 0 and p["failed_trajectories"] == 0 for p in policies.values())
     # affinity: each session on one instance, so its shared context is reused there
-    assert result["sessions_on_one_instance"]["consistent_hash"] == 1.0
+    assert result["sessions_on_one_instance"]["sticky_least_loaded"] == 1.0
     assert result["sessions_on_one_instance"]["round_robin"] < 1.0
     assert result["reuse_ratio_affinity"] > result["reuse_ratio_round_robin"]
     # anchors shared through the directory: warm from the first call that can reuse

@@ -15,12 +15,20 @@ engine's attention layers (in-process, the scheduler and the worker share the en
 - Capture: when a request finishes, before its blocks are freed, the KV of the ranges it asked
   for (and of the generated tokens fed back) is read out through a layout learned by writing
   known values with that same op.
+
+With worker processes (tensor parallel, `parallel_config.world_size > 1`) the workers do not
+share the engine's registry: each load carries its KV runs in the step's metadata (vLLM pickles it
+to every worker; each writes its own slice of the KV heads), and a finished request's blocks are
+kept (`request_finished` returns True) until the next step, when every worker reads its heads of
+the captured ranges and sends them back with the logits its processor recorded (`_Outbox`, the
+worker metadata vLLM aggregates over the ranks); then the blocks are freed.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +38,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks
+from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, WORKER_LOGITS, RequestHooks
 
 __all__ = ["AgentCacheConnector"]
 
 log = logging.getLogger(__name__)
 _LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # learned once per cache shape and kernel
+_FINISHED_KEPT = 4096  # finished request ids a worker remembers while their save may still come
+
+
+Run = tuple[int, torch.Tensor, torch.Tensor]  # (first position, K, V), K and V (L, H, T, D) with every KV head
 
 
 @dataclass(frozen=True)
@@ -46,11 +59,43 @@ class _Load:
     block_ids: tuple[int, ...]  # every block of the request, in token order
     start: int  # first position written
     count: int
+    runs: tuple[Run, ...] = ()  # the KV to write, within [start, start + count)
+
+
+@dataclass(frozen=True)
+class _Save:
+    """A finished request's ranges to read back (workers only): its blocks are kept until then."""
+
+    request_id: str
+    key: str
+    block_ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
 
 
 @dataclass
 class _Loads(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class _Outbox(KVConnectorWorkerMetadata):
+    """What the workers send back in one step, merged over the ranks by vLLM."""
+
+    shards: dict[tuple[str, tuple[int, int]], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> (V,) at the last prompt position
+    failed: set[str] = field(default_factory=set)  # keys whose load failed (vLLM recomputes it)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, _Outbox):
+            for span, shards in other.shards.items():
+                self.shards.setdefault(span, {}).update(shards)  # by first head: each rank its own
+            self.logits.update(other.logits)
+            self.failed |= other.failed
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.shards or self.logits or self.failed)
 
 
 def _layer_index(name: str) -> int:
@@ -149,43 +194,91 @@ class AgentCacheConnector(KVConnectorBase_V1):
         self._step_kv: tuple[int, _PagedKV] | None = None
         self._pending: list[tuple[str, Any, list[int], int]] = []
         self._failed: set[int] = set()  # blocks whose injection failed in this forward pass
+        self._workers = vllm_config.parallel_config.world_size > 1  # worker processes: no shared registry
+        self._total_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self._saves: list[_Save] = []  # scheduler side: to send with the next step
+        self._deferred: dict[str, str] = {}  # scheduler side: request id -> key, blocks kept for a save
+        self._outbox = _Outbox()  # worker side: to send back at the end of the step
+        self._saved: set[str] = set()  # worker side: request ids read back, not yet reported
+        self._finished: OrderedDict[str, None] = OrderedDict()  # worker side: request ids vLLM said finished
 
     # --- worker side (shared by every engine in the process) ------------------------------------
 
+    def _heads(self, paged: _PagedKV) -> tuple[int, bool]:
+        """This worker's first KV head in the full set, and whether it is the first rank holding it
+        (fewer KV heads than ranks: each head is held by several)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if self._total_heads >= size:
+            return rank * paged.heads, True
+        replicas = size // self._total_heads
+        return rank // replicas, rank % replicas == 0
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        if not isinstance(metadata, _Loads) or not metadata.loads:
+        if not isinstance(metadata, _Loads) or not (metadata.loads or metadata.saves):
             return
         layers = forward_context.no_compile_layers  # the engine stepping now
         if self._step_kv is None or self._step_kv[0] != id(layers):
             self._step_kv = (id(layers), _PagedKV(layers))
         paged = self._step_kv[1]
+        first_head, reader = self._heads(paged)
         for load in metadata.loads:
-            hooks = REGISTRY.get(load.key)
-            if hooks is None:
-                continue
             try:
-                self._load(paged, load, hooks)
+                self._load(paged, load, first_head)
             except Exception:  # noqa: BLE001 - vLLM recomputes these blocks (kv_load_failure_policy)
                 log.exception("injecting KV into request %s failed; vLLM recomputes it", load.key)
                 bs = paged.block_size
                 first, last = load.start // bs, (load.start + load.count - 1) // bs
                 self._failed.update(load.block_ids[first : last + 1])
-                hooks.load_failed = True
+                hooks = REGISTRY.get(load.key)
+                if hooks is not None:
+                    hooks.load_failed = True
+                else:
+                    self._outbox.failed.add(load.key)
+        for save in metadata.saves:
+            if reader:
+                for begin, end in save.spans:
+                    self._outbox.shards.setdefault((save.key, (begin, end)), {})[first_head] = paged.read(
+                        list(save.block_ids), begin, end)
+            self._saved.add(save.request_id)
 
-    def _load(self, paged: _PagedKV, load: _Load, hooks: RequestHooks) -> None:
+    def _load(self, paged: _PagedKV, load: _Load, first_head: int) -> None:
         bs = paged.block_size
+        heads = slice(first_head, first_head + paged.heads)
         positions = torch.arange(load.start, load.start + load.count)
         blocks = torch.tensor(load.block_ids, dtype=torch.int64)
         slots = blocks[positions // bs] * bs + positions % bs  # (T,)
-        for start, keys, values in hooks.inject:  # (L, H, T, D) each
+        for start, keys, values in load.runs:  # (L, H, T, D) each
             lo, hi = max(start, load.start), min(start + keys.shape[2], load.start + load.count)
             if lo >= hi:
                 continue
             part = slots[lo - load.start : hi - load.start]
             for layer in range(len(paged.caches)):
-                paged.write(layer, keys[layer, :, lo - start : hi - start].transpose(0, 1),
-                            values[layer, :, lo - start : hi - start].transpose(0, 1), part)
+                paged.write(layer, keys[layer, heads, lo - start : hi - start].transpose(0, 1),
+                            values[layer, heads, lo - start : hi - start].transpose(0, 1), part)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not (self._saved or self._finished) and not self._workers:
+            return None, None
+        for request_id in finished_req_ids:  # vLLM takes only ids it named finished (they come with the save)
+            self._finished[request_id] = None
+        while len(self._finished) > _FINISHED_KEPT:  # other requests' ids
+            self._finished.popitem(last=False)
+        done = {r for r in self._saved if r in self._finished}
+        for request_id in done:
+            self._saved.discard(request_id)
+            del self._finished[request_id]
+        return (done or None), None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self._outbox.logits.update(WORKER_LOGITS)  # what this worker's logits processor recorded
+        WORKER_LOGITS.clear()
+        if not self._outbox:
+            return None
+        out, self._outbox = self._outbox, _Outbox()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -217,25 +310,68 @@ class AgentCacheConnector(KVConnectorBase_V1):
         loads = []
         for key, request, block_ids, count in self._pending:
             start = request.num_computed_tokens - count  # num_computed now counts the local hit and the claim
-            loads.append(_Load(key, tuple(block_ids), start, count))
             hooks = REGISTRY.get(key)
-            if hooks is not None:
-                hooks.injected = count
-                hooks.injected_from = start
+            if hooks is None:
+                continue
+            hooks.injected = count
+            hooks.injected_from = start
+            loads.append(_Load(key, tuple(block_ids), start, count, self._runs(hooks, start, start + count)))
         self._pending.clear()
-        return _Loads(loads)
+        saves, self._saves = self._saves, []
+        return _Loads(loads, saves)
+
+    def _runs(self, hooks: RequestHooks, begin: int, end: int) -> tuple[Run, ...]:
+        """The request's injected runs cut to [begin, end): views in-process, compact copies for
+        worker processes (vLLM pickles the metadata to them)."""
+        runs = []
+        for start, keys, values in hooks.inject:
+            lo, hi = max(start, begin), min(start + keys.shape[2], end)
+            if lo < hi:
+                k, v = keys[:, :, lo - start : hi - start], values[:, :, lo - start : hi - start]
+                runs.append((lo, k.contiguous(), v.contiguous()) if self._workers else (lo, k, v))
+        return tuple(runs)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        _, hooks = _hooks_of(request)
-        if hooks is None or not block_ids:
+        key, hooks = _hooks_of(request)
+        if hooks is None or not (block_ids or self._workers):
             return False, None
         computed = request.num_computed_tokens
-        if self._own_kv is None:
-            self._own_kv = _PagedKV(self._own_layers)
         spans = [(b, e) for b, e in hooks.capture if e <= computed]
         prompt_len = request.num_prompt_tokens
         if hooks.capture_generated and computed > prompt_len:
             spans.append((prompt_len, computed))
+        if self._workers:  # the workers read it at the next step; the blocks stay until they did
+            self._saves.append(_Save(request.request_id, key, tuple(block_ids), tuple(spans)))
+            self._deferred[request.request_id] = key
+            hooks.deferred = True
+            return True, None
+        if self._own_kv is None:
+            self._own_kv = _PagedKV(self._own_layers)
         for begin, end in spans:
             hooks.captured[(begin, end)] = self._own_kv.read(block_ids, begin, end)
         return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        out = connector_output.kv_connector_worker_meta
+        if isinstance(out, _Outbox):
+            for key, row in out.logits.items():
+                hooks = REGISTRY.get(key)
+                if hooks is not None:
+                    hooks.last_logits = row
+            for (key, span), shards in out.shards.items():
+                hooks = REGISTRY.get(key)
+                if hooks is not None:  # each rank's heads, in head order: (L, H, T, D)
+                    firsts = sorted(shards)
+                    hooks.captured[span] = (torch.cat([shards[h][0] for h in firsts], dim=1),
+                                            torch.cat([shards[h][1] for h in firsts], dim=1))
+            for key in out.failed:
+                hooks = REGISTRY.get(key)
+                if hooks is not None:
+                    hooks.load_failed = True
+        for request_id in connector_output.finished_sending or ():
+            hooks = REGISTRY.get(self._deferred.pop(request_id, ""))
+            if hooks is not None:
+                hooks.done = True
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._deferred)

@@ -184,6 +184,8 @@ class VLLMCore:
                 kv_role="kv_both", kv_load_failure_policy="recompute",
             ),
             scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             # xgrammar, JSON written compactly: the embedded engine's constraints (engine/grammar.py)
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         )
@@ -199,6 +201,8 @@ class VLLMCore:
         self.tails = ExactTails(_TAIL_BYTES)
         self.phases_run = 0  # prefill-only requests run before calls
         self.cancelled = 0  # calls dropped because their callers cancelled them
+        # phases that ended whose captured KV and logits the worker processes have not sent back yet
+        self._settling: dict[str, _Live] = {}
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
 
     @property
@@ -240,13 +244,16 @@ class VLLMCore:
         for live in [live for live in self._live.values() if live.request.is_cancelled]:
             self.cancelled += 1  # vLLM frees its blocks; nothing it computed is cached under our tags
             self._drop(live, RequestCancelled("the caller cancelled the request"))
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() or (self._settling and self.scheduler.has_requests()):
             with _STEP_LOCK:  # the KV connector's worker side is one per process: one engine steps at a time
                 outputs = self.engine.step()
             for output in outputs:
                 live = self._live.get(output.request_id)
                 if live is not None:
                     self._on_output(live, output)
+            for live in [live for live in self._settling.values() if live.hooks.done]:
+                del self._settling[live.key]
+                self._next_phase(live) if not live.final else self._finish(live)
         return bool(self._live) or self.engine.has_unfinished_requests()
 
     def _crash(self, exc: BaseException) -> None:
@@ -347,7 +354,7 @@ class VLLMCore:
             live.queued_s = (live.added - live.job.submitted) + waited
         if not live.final:
             if output.finished:
-                self._next_phase(live)
+                self._settle(live) or self._next_phase(live)
             return
         tokens = output.outputs[0].token_ids if output.outputs else []
         if tokens and live.first_token_at is None:
@@ -360,7 +367,15 @@ class VLLMCore:
         if ended and not output.finished:
             self.engine.abort_request([live.key])  # the connector reads its KV back in here
         if ended or output.finished:
-            self._finish(live)
+            self._settle(live) or self._finish(live)
+
+    def _settle(self, live: _Live) -> bool:
+        """Whether the phase that ended waits for the worker processes' captured KV and logits
+        (sent back at the next step; `_step` goes on with it then)."""
+        if live.hooks.deferred and not live.hooks.done:
+            self._settling[live.key] = live
+            return True
+        return False
 
     def _claimed(self, live: _Live, hooks: RequestHooks) -> None:
         """Record what the connector supplied in the phase that ended (a failed load: recomputed)."""
@@ -415,6 +430,7 @@ class VLLMCore:
 
     def _drop(self, live: _Live, exc: BaseException) -> None:
         self._live.pop(live.key, None)
+        self._settling.pop(live.key, None)
         try:
             self.engine.abort_request([live.key])  # its blocks are freed under its tag, so abort first
         except Exception:  # noqa: BLE001 - the engine is failing anyway

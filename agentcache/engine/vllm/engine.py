@@ -57,9 +57,12 @@ class VLLMConfig:
     # Engines with equal settings share one vLLM engine (its weights, KV capacity and eviction
     # policy); a name of its own gets a separate one (e.g. to compare strategies on separate pools).
     instance: str = ""
+    # vLLM's tensor parallelism: worker processes, each holding its share of the KV heads (the KV
+    # cache settings are per worker); 1 runs the model in this process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "max_batch", "prefill_chunk"):
+        for name in ("block_size", "kv_cache_bytes", "max_batch", "prefill_chunk", "tensor_parallel_size"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InputError(f"VLLMConfig.{name} must be a positive int, got {value!r}")
@@ -78,7 +81,7 @@ class VLLMConfig:
         """What a vLLM engine is built with: views with equal settings share one."""
         eviction = self.eviction if isinstance(self.eviction, str) else id(self.eviction)
         return (self.block_size, self.pool_blocks, self.kv_cache_bytes, self.max_batch, self.prefill_chunk,
-                self.prefix_caching, self.max_model_len, self.threads, eviction, self.instance)
+                self.prefix_caching, self.max_model_len, self.threads, eviction, self.instance, self.tensor_parallel_size)
 
 
 class VLLMEngine(ModelFrontend):

@@ -1,10 +1,12 @@
 """What the engine and its hooks inside vLLM (logits processor, KV connector, scheduler) share.
 
-They run in one process and one thread (the engine loop steps vLLM), but vLLM builds the hooks
-itself and hands them only a request's `SamplingParams` (the logits processor) or its `Request`
-(connector, scheduler). So each request carries a key in `SamplingParams.extra_args`, and the
-engine files what the hooks need under that key here, and the hooks file what they produce.
-Keys are unique per process, so one registry serves every engine.
+With one worker (tensor_parallel_size=1) they run in one process and one thread (the engine loop
+steps vLLM), but vLLM builds the hooks itself and hands them only a request's `SamplingParams` (the
+logits processor) or its `Request` (connector, scheduler). So each request carries a key in
+`SamplingParams.extra_args`, and the engine files what the hooks need under that key here, and the
+hooks file what they produce. Keys are unique per process, so one registry serves every engine.
+With worker processes the registry is the scheduler's side only: what workers need travels in the
+connector's metadata, and what they produce comes back in its worker metadata (`connector`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RequestHooks", "REGISTRY", "new_key", "key_of", "EXTRA_KEY"]
+__all__ = ["RequestHooks", "REGISTRY", "WORKER_LOGITS", "new_key", "key_of", "EXTRA_KEY"]
 
 EXTRA_KEY = "agentcache_key"  # SamplingParams.extra_args entry naming the request's RequestHooks
 _keys = itertools.count()
@@ -47,9 +49,15 @@ class RequestHooks:
     injected_from: int | None = None  # the first of them
     load_failed: bool = False  # writing them failed: vLLM recomputed those blocks
     captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # with worker processes (tensor parallel): the request's blocks are kept after it finished until
+    # the workers sent back its captured KV and logits (`deferred`), then `done`
+    deferred: bool = False
+    done: bool = False
 
 
 REGISTRY: dict[str, RequestHooks] = {}
+# in a worker process (no registry): the logits processor's rows by key, sent back by the connector
+WORKER_LOGITS: dict[str, torch.Tensor] = {}
 
 
 def key_of(params: Any) -> str | None:
