@@ -260,6 +260,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _local_endpoint(endpoint: str) -> bool:
+    """A ZeroMQ endpoint on this machine only: ipc://, or tcp:// on a loopback address."""
+    from agentcache.serve.server import is_loopback
+
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if endpoint.startswith("tcp://") else ""
+    return bool(host) and is_loopback(host)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from agentcache.config import RuntimeConfig
     from agentcache.engine.choice import open_engine
@@ -277,13 +287,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          default_max_tokens=args.default_max_tokens, max_in_flight=args.max_in_flight,
                          drain_s=args.drain_s)
     check_bind(args.host, config)  # before the model loads
+    for endpoint in (args.kv_events_endpoint, args.kv_events_replay_endpoint):
+        if endpoint is not None and not _local_endpoint(endpoint):
+            raise CommandError(f"--kv-events endpoints must be loopback (tcp://127.0.0.1:PORT) or ipc://, got {endpoint!r}: "
+                               "the events carry the token ids of every tenant's cached prompts")
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise CommandError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.tensor_parallel_size < 1:
+        raise CommandError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1 and args.engine != "vllm":
+        raise CommandError("--tensor-parallel-size splits the model over vLLM's worker processes: it needs --engine vllm "
+                           "(the embedded engine runs in one process)")
     settings = {"max_batch": args.max_batch} if args.max_batch else {}
-    runtime = Runtime(open_engine(args.engine, args.model, **settings), strategy=args.strategy,
+    if args.tensor_parallel_size > 1:
+        from agentcache.engine.vllm import VLLMConfig, VLLMEngine
+
+        engine = VLLMEngine(args.model, VLLMConfig(tensor_parallel_size=args.tensor_parallel_size, **settings))
+    else:
+        engine = open_engine(args.engine, args.model, **settings)
+    runtime = Runtime(engine, strategy=args.strategy,
                       config=RuntimeConfig(warmup=args.warmup, anchor_sync_s=args.anchor_sync_s or None),
                       anchors_dir=args.anchors_dir)
+    events = None
+    if args.kv_events_endpoint:
+        from agentcache.serve.kv_events import KVEventPublisher
+
+        events = KVEventPublisher(runtime.engine, args.kv_events_endpoint, args.kv_events_replay_endpoint)
     print(f"agentcache serve: {runtime.engine.model_name} ({args.engine} engine, {runtime.strategy.name}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(runtime, config, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        serve(runtime, config, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if events is not None:
+            events.close()
     return 0
 
 
@@ -362,6 +398,12 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--max-in-flight", type=int, default=None,
                      help="requests served at once; more get 429 (default: 4 x the engine's batch)")
     srv.add_argument("--max-batch", type=int, default=None, help="requests the engine runs together")
+    srv.add_argument("--kv-events-endpoint", default=None, metavar="tcp://127.0.0.1:PORT",
+                     help="publish the prefix cache's blocks as vLLM KV events here (vllm-router's kv_aware)")
+    srv.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://127.0.0.1:PORT",
+                     help="answer a subscriber's replay requests for missed KV event batches here")
+    srv.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="with --engine vllm: vLLM worker processes sharing the model's KV heads")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
     srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     srv.add_argument("--default-max-tokens", type=int, default=512, help="reply budget when a request gives none")

@@ -3,8 +3,11 @@ a fresh instance warm from the shared anchors, and an instance killed mid-sessio
 
 Set-up: `--instances` processes of `agentcache serve` (KVCMAS, embedded engine), each pinned to
 its own share of the cores (`sched_setaffinity`, OMP_NUM_THREADS), all sharing one anchors
-directory (`--anchors-dir`, exchanged every `--anchor-sync-s`), and vllm-router (the PyPI
-package's Rust binary) in front, its health checks every second. Clients are the openai SDK's
+directory (`--anchors-dir`, exchanged every `--anchor-sync-s`) and publishing their prefix
+caches as vLLM KV events (`--kv-events-endpoint`), and vllm-router (the PyPI package's Rust
+binary) in front, its health checks every second. Policies are vllm-router's (`round_robin`,
+`consistent_hash`, `sticky_least_loaded`, `cache_aware`, `kv_aware` fed by those events) and
+`kv_aware_affinity` (kv_aware with its session affinity, `--kv-aware-session-affinity-ttl-secs`). Clients are the openai SDK's
 AsyncOpenAI against the router, streaming, each request carrying `X-Session-ID` (the router's
 affinity key, and the server's session) and `X-Agentcache-Agent`.
 
@@ -85,6 +88,7 @@ ROUTER_FLAGS = ["--health-check-interval-secs", "1", "--health-check-timeout-sec
                 "--retry-max-backoff-ms", "2000", "--worker-startup-timeout-secs", "300",
                 "--worker-startup-check-interval", "1"]
 REUSING = ("reused", "corrected")  # decisions that serve a segment from another cache
+EMBEDDED_BLOCK = 16  # the embedded engine's block size: the router hashes the published token ids by it
 
 
 def router_binary() -> str:
@@ -103,6 +107,8 @@ class Process:
     url: str
     proc: subprocess.Popen
     log: Path
+    events: str | None = None  # its KV event endpoints (an instance's): PUB, replay
+    replay: str | None = None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -136,18 +142,33 @@ def start_instance(args: argparse.Namespace, name: str, cores: set[int], anchors
     port = free_port()
     env = os.environ | {"OMP_NUM_THREADS": str(len(cores))}
     log = logs / f"{name}.log"
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     command = [sys.executable, "-m", "agentcache.cli", "serve", "--model", args.model, "--port", str(port),
-               "--anchors-dir", str(anchors), "--anchor-sync-s", str(args.anchor_sync_s), "--log-level", "warning"]
+               "--anchors-dir", str(anchors), "--anchor-sync-s", str(args.anchor_sync_s), "--log-level", "warning",
+               "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     # pinned at once (a preexec_fn is unsafe in a threaded parent); its threads, started later, inherit it
     os.sched_setaffinity(proc.pid, cores)
-    return Process(name, f"http://127.0.0.1:{port}", proc, log)
+    return Process(name, f"http://127.0.0.1:{port}", proc, log, events, replay)
 
 
-def start_router(policy: str, workers: list[Process], logs: Path) -> Process:
+def policy_flags(policy: str, workers: list[Process], model: str) -> list[str]:
+    """vllm-router's flags for one of the benchmark's policies: its own policy names, and
+    `kv_aware_affinity` (kv_aware with its session affinity on X-Session-ID)."""
+    if not policy.startswith("kv_aware"):
+        return ["--policy", policy]
+    flags = ["--policy", "kv_aware", "--kv-event-block-size", str(EMBEDDED_BLOCK), "--kv-event-model", model]
+    for w in workers:
+        flags += ["--kv-event-source", f"{w.url}={w.events}", "--kv-event-replay-source", f"{w.url}={w.replay}"]
+    if policy == "kv_aware_affinity":
+        flags += ["--kv-aware-session-affinity-ttl-secs", "600"]
+    return flags
+
+
+def start_router(policy: str, workers: list[Process], logs: Path, model: str) -> Process:
     port, metrics_port = free_port(), free_port()
-    command = [router_binary(), "--worker-urls", *[w.url for w in workers], "--policy", policy,
+    command = [router_binary(), "--worker-urls", *[w.url for w in workers], *policy_flags(policy, workers, model),
                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port), *ROUTER_FLAGS]
     log = logs / f"router-{policy}.log"
     with open(log, "ab") as out:
@@ -312,7 +333,7 @@ async def policies(args, instances: list[Process], docs: Documents, logs: Path, 
     for r in range(args.rounds):
         order = args.policies[r % len(args.policies):] + args.policies[:r % len(args.policies)]
         for policy in order:
-            router = start_router(policy, instances, logs)
+            router = start_router(policy, instances, logs, args.model)
             client = Client(router.url, args.model, args.output_tokens)
             try:
                 run = await sessions(client, docs.jobs(args.sessions, policy), poisson_arrivals(args.sessions, args.rate, rng))
@@ -349,7 +370,7 @@ async def first_call_reuse(args, anchors: Path, docs: Documents, logs: Path, cor
 
 async def failover(args, instances: list[Process], ids: dict[str, str], docs: Documents, logs: Path,
                    rng: random.Random) -> dict:
-    router = start_router(args.policy, instances, logs)
+    router = start_router(args.policy, instances, logs, args.model)
     client = Client(router.url, args.model, args.output_tokens)
     jobs = docs.jobs(args.sessions, "failover")
     total, done, killed = len(jobs) * len(NAMES), [0], {}
@@ -486,9 +507,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     quick = dict(model="tiny-llama", context=192, output_tokens=6, sessions=6, rounds=1, rate=4.0, warmup=1, think_s=0.5,
-                 policies=["round_robin", "sticky_least_loaded"])
+                 policies=["round_robin", "sticky_least_loaded", "kv_aware"])
     full = dict(model=DEFAULT_MODEL, context=1024, output_tokens=16, sessions=10, rounds=2, rate=0.25, warmup=3, think_s=1.0,
-                policies=["round_robin", "consistent_hash", "sticky_least_loaded", "cache_aware"])
+                policies=["round_robin", "consistent_hash", "sticky_least_loaded", "cache_aware", "kv_aware",
+                          "kv_aware_affinity"])
     fill_defaults(args, quick, full)
     if args.instances < 2:
         parser.error("--instances must be at least 2 (one is killed in the failover)")

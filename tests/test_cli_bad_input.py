@@ -48,6 +48,11 @@ CASES = [
     ("demo-no-model", _argv("demo", "--model", "/nonexistent"), "--model '/nonexistent'", False),
     ("serve-no-model", _argv("serve", "--model", "/nonexistent"), "--model '/nonexistent'", False),
     ("serve-open-host", _argv("serve", "--model", "tiny-llama", "--host", "0.0.0.0"), "give --api-keys FILE", False),
+    ("serve-tp-embedded", _argv("serve", "--model", "tiny-llama", "--tensor-parallel-size", "2"), "needs --engine vllm",
+     False),
+    ("serve-tp-zero", _argv("serve", "--model", "tiny-llama", "--tensor-parallel-size", "0"), "at least 1", False),
+    ("serve-sync-negative", _argv("serve", "--model", "tiny-llama", "--anchors-dir", "TMP/a", "--anchor-sync-s", "-1"),
+     "anchor_sync_s", False),
     ("serve-keys-missing", _argv("serve", "--model", "tiny-llama", "--api-keys", "TMP/none.json"), "none.json", False),
     ("serve-keys-not-json", lambda tmp_path: (tmp_path / "k.json").write_text("{nope") and
      ["serve", "--model", "tiny-llama", "--api-keys", str(tmp_path / "k.json")], "not JSON", False),

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ApiError", "ChatRequest", "AgentcacheFields", "read_request", "error_body", "completion", "chunk",
+__all__ = ["ApiError", "ChatRequest", "AgentcacheFields", "read_request", "read_tokenize_request", "error_body", "completion", "chunk",
            "usage", "FINISH_REASONS"]
 
 # the engine's finish reasons as OpenAI names them ("eos": the model ended its turn)
@@ -159,6 +159,28 @@ _UNSUPPORTED = {  # fields OpenAI defines that this server does not serve, and w
     "verbosity": "verbosity is not supported; leave it out",
     "prompt_cache_retention": "prompt cache retention is set by the server; leave it out",
 }
+
+
+_TOKENIZE_FIELDS = {"model", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+                    "continue_final_message", "return_token_strs"}
+
+
+def read_tokenize_request(body: Any) -> ChatRequest:
+    """vLLM's `/tokenize` body in its chat form (what routers send to place a request) as a chat
+    request; a 400 naming the field for anything else."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for key in body:
+        if key not in _TOKENIZE_FIELDS:
+            raise ApiError(400, f"{key}: unknown or unsupported field of /tokenize", param=key,
+                           code="unsupported_parameter")
+    if body.get("add_generation_prompt") is False or body.get("return_token_strs"):
+        field = "add_generation_prompt" if body.get("add_generation_prompt") is False else "return_token_strs"
+        raise ApiError(400, f"{field}: only the prompt as a call prefills it is tokenized here", param=field)
+    if "messages" not in body:
+        raise ApiError(400, "messages: /tokenize takes the chat form (messages) only", param="messages")
+    return read_request({"model": body.get("model") or "-", "messages": body["messages"], "tools": body.get("tools"),
+                         "continue_final_message": body.get("continue_final_message")})
 
 
 def read_request(body: Any) -> ChatRequest:

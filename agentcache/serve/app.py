@@ -1,7 +1,8 @@
 """The HTTP application: OpenAI's chat completions over a Runtime, on FastAPI.
 
 Routes: `POST /v1/chat/completions` (a JSON reply, or Server-Sent Events with `stream: true`),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). A request's way through:
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `POST /tokenize` (vLLM's, for
+routers). A request's way through:
 
 1. the tenant from its API key (401 without one, when keys are configured);
 2. the body, read up to `max_body_bytes` (413 past it) and parsed (`read_request`: 400s);
@@ -37,12 +38,12 @@ from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
 from agentcache.serve.api import (FINISH_REASONS, ApiError, chunk, completion, completion_id, error_body,
-                                  read_request, usage)
+                                  read_request, read_tokenize_request, usage)
 from agentcache.serve.config import ServeConfig
 from agentcache.serve.identity import METRICS_TENANT, Identities
 from agentcache.serve.messages import read_messages
 from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
-from agentcache.serve.prepare import PreparedCall, prepare_call
+from agentcache.serve.prepare import PreparedCall, prepare_call, prompt_token_ids
 from agentcache.streaming import astream_call
 from agentcache.toolcalls import ContentStream, ParsedOutput
 from agentcache.transcript import UnsupportedMessageError
@@ -147,6 +148,21 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
                            code="forbidden")
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's tokenizer route (chat form): the prompt a call would prefill, for routers that
+        place requests by cached blocks (vllm-router's kv_aware asks every instance)."""
+        tenant = _tenant(config, request)
+        chat = read_tokenize_request(await _read_body(request, config.max_body_bytes))
+        transcript = read_messages(chat.messages)
+        caller = identities.caller(chat, request.headers, transcript, tenant)
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(
+                None, partial(prompt_token_ids, runtime, chat, transcript, caller))
+        except _BAD_REQUEST as exc:
+            raise ApiError(400, str(exc)) from None
+        return {"count": len(tokens), "max_model_len": engine.max_context, "tokens": tokens}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -22,7 +22,7 @@ from agentcache.serve.messages import Transcript
 from agentcache.toolcalls import ParsedOutput, ToolFormat, function_tools, no_tool_format
 from agentcache.transcript import build_call, stop_strings
 
-__all__ = ["PreparedCall", "prepare_call", "FRAMEWORK"]
+__all__ = ["PreparedCall", "prepare_call", "prompt_token_ids", "laid_out", "FRAMEWORK"]
 
 FRAMEWORK = "openai-http"  # the dispatch events' framework: a client of `agentcache serve`
 
@@ -38,6 +38,20 @@ class PreparedCall:
 
     def parse(self, text: str) -> ParsedOutput | None:
         return None if self.tool_format is None else self.tool_format.parse(text, self.tool_names)
+
+
+def laid_out(runtime: Runtime, transcript: Transcript, caller: Caller, tools: list[dict]) -> AgentCall:
+    """The caller's messages as the runtime's call: segments laid out as the adapters lay theirs."""
+    known = runtime.shared_texts(caller.session, caller.tenant)
+    call = build_call(caller.agent, transcript.system, transcript.turns(caller.agent, known), tools=tools,
+                      session=caller.session, chat=runtime.chat)
+    return call.model_copy(update={"tenant": caller.tenant})
+
+
+def prompt_token_ids(runtime: Runtime, request: ChatRequest, transcript: Transcript, caller: Caller) -> list[int]:
+    """The token ids the runtime would prefill for `request` (`/tokenize`, for routers placing it)."""
+    call = laid_out(runtime, transcript, caller, function_tools(request.tools or ()))
+    return list(tokenize_call(runtime.engine, call).prompt)
 
 
 def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript, caller: Caller, *,
@@ -56,10 +70,7 @@ def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript,
                                 "constrains the reply to JSON; a reply cannot be both", param="tool_choice")
         constraint = tool_format.constraint(tools, choice)
 
-    known = runtime.shared_texts(caller.session, caller.tenant)
-    call = build_call(caller.agent, transcript.system, transcript.turns(caller.agent, known), tools=tools,
-                      session=caller.session, chat=runtime.chat)
-    call = call.model_copy(update={"tenant": caller.tenant})
+    call = laid_out(runtime, transcript, caller, tools)
     engine = runtime.engine
     prompt_tokens = len(tokenize_call(engine, call).prompt)
     if prompt_tokens > max_prompt_tokens:
