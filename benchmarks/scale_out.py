@@ -26,7 +26,7 @@ Phases:
    directory, one after the other, each gets one trajectory directly; their second call (the
    first that can reuse another agent's context) is compared.
 4. Failover: `--sessions` sessions through the affinity router; once a third of their requests
-   finished, one instance is killed (SIGKILL). Agents think `--think-s` between their calls here, so
+   finished, the instance in the middle of the most sessions is killed (SIGKILL). Agents think `--think-s` between their calls here, so
    that sessions are mid-way when it dies. A failed request is retried once by the client
    after a second, as an app would. Requests that started after the kill must not fail. Each
    session that moved gets its first call on the new instance replayed on the same instance under
@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,7 +268,7 @@ async def trajectory(client: Client, session: str, document: str, run: Run, retr
             return
         texts.append(outcome.reply.text)
         if on_reply is not None:
-            on_reply()
+            on_reply(outcome, index == len(NAMES) - 1)
     run.spans.append((begun, time.perf_counter()))
 
 
@@ -374,13 +375,20 @@ async def failover(args, instances: list[Process], ids: dict[str, str], docs: Do
     client = Client(router.url, args.model, args.output_tokens)
     jobs = docs.jobs(args.sessions, "failover")
     total, done, killed = len(jobs) * len(NAMES), [0], {}
-    victim = instances[0]
+    by_id = {i: process for process in instances for url, i in ids.items() if url == process.url}
+    going_on: dict[str, str] = {}  # session -> the instance that served its latest call, while it goes on
 
-    def on_reply() -> None:
+    def on_reply(outcome: Outcome, last: bool) -> None:
         done[0] += 1
-        if not killed and done[0] >= total // 3:
-            killed.update(at=time.perf_counter(), after=done[0])
-            victim.proc.send_signal(signal.SIGKILL)
+        if last:
+            going_on.pop(outcome.session, None)
+        else:
+            going_on[outcome.session] = outcome.reply.server["instance"]
+        if not killed and done[0] >= total // 3 and going_on:
+            # the instance in the middle of the most sessions dies: their next calls must move
+            victim_id = Counter(going_on.values()).most_common(1)[0][0]
+            killed.update(at=time.perf_counter(), after=done[0], victim=by_id[victim_id])
+            by_id[victim_id].proc.send_signal(signal.SIGKILL)
 
     try:
         run = await sessions(client, jobs, poisson_arrivals(len(jobs), args.rate, rng), retry_after=1.0,
@@ -397,7 +405,8 @@ async def failover(args, instances: list[Process], ids: dict[str, str], docs: Do
             served_before.setdefault(o.session, set()).add(o.reply.server.get("instance"))
         else:
             first_after.setdefault(o.session, o)
-    victim_id = ids.get(victim.url)
+    victim = killed.get("victim")
+    victim_id = ids.get(victim.url) if victim is not None else None
     moved = sorted(s for s, served in served_before.items() if victim_id in served and s in first_after)
     urls = {i: url for url, i in ids.items()}
     checked, equal, dense = 0, 0, 0
@@ -411,7 +420,8 @@ async def failover(args, instances: list[Process], ids: dict[str, str], docs: Do
         equal += reference.reply is not None and reference.reply.text == o.reply.text
     await client.close()
     return {"failover_errors": len(after), "failover_inflight_failures": len(failed) - len(after),
-            "failover_error_samples": [o.error for o in after][:5], "failover_killed": victim.name,
+            "failover_error_samples": [o.error for o in after][:5],
+            "failover_killed": victim.name if victim is not None else None,
             "failover_killed_after_requests": killed.get("after"),
             "failover_moved_sessions": len(moved), "failover_moved_calls_checked": checked,
             "failover_moved_calls_dense": dense, "failover_moved_calls_equal_dense": equal,
