@@ -72,7 +72,6 @@ from serve_load import NAMES, Errors, Reply, free_port, messages, summarize
 from serving import document_text, poisson_arrivals
 
 from agentcache.engine.choice import open_engine
-from agentcache.metrics import percentile
 from agentcache.models import DEFAULT_MODEL
 
 AIMS = {

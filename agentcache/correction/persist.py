@@ -27,7 +27,6 @@ instances wrote (anchors whose uid the bank lacks) and pushes what this one lear
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
