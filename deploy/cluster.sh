@@ -13,8 +13,10 @@
 #
 # Settings (environment): MODEL, ENGINE (embedded|vllm), INSTANCES, FIRST_PORT (instances listen on
 # FIRST_PORT, FIRST_PORT+1, ...), ROUTER_PORT, METRICS_PORT (the router's Prometheus port),
-# ANCHORS_DIR, POLICY (a vllm-router policy), PYTHON, and EXTRA_SERVE_ARGS (passed to every
-# `agentcache serve`). Ready when it prints "cluster ready".
+# ANCHORS_DIR, POLICY (a vllm-router policy; kv_aware makes every instance publish its prefix
+# cache as KV events on EVENTS_PORT+2i, with replay on EVENTS_PORT+2i+1, and the router read them),
+# PYTHON, and EXTRA_SERVE_ARGS (passed to every `agentcache serve`). Ready when it prints
+# "cluster ready".
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +30,7 @@ ROUTER_PORT="${ROUTER_PORT:-8000}"
 METRICS_PORT="${METRICS_PORT:-29000}"
 ANCHORS_DIR="${ANCHORS_DIR:-$here/results/cluster-anchors}"
 POLICY="${POLICY:-sticky_least_loaded}"
+EVENTS_PORT="${EVENTS_PORT:-5600}"
 LOGS="${LOGS:-$here/results/cluster-logs}"
 
 [[ -x "$PYTHON" ]] || { echo "cluster: no python at $PYTHON (run scripts/setup.sh first)" >&2; exit 2; }
@@ -48,13 +51,21 @@ stop() {
 trap stop INT TERM EXIT
 
 urls=()
+routing=(--policy "$POLICY")
 for ((i = 0; i < INSTANCES; i++)); do
+    events=()
+    if [[ "$POLICY" == kv_aware ]]; then  # the embedded engine's block size is 16
+        pub="tcp://127.0.0.1:$((EVENTS_PORT + 2 * i))" replay="tcp://127.0.0.1:$((EVENTS_PORT + 2 * i + 1))"
+        events=(--kv-events-endpoint "$pub" --kv-events-replay-endpoint "$replay")
+        routing+=(--kv-event-source "http://127.0.0.1:$((FIRST_PORT + i))=$pub"
+                  --kv-event-replay-source "http://127.0.0.1:$((FIRST_PORT + i))=$replay")
+    fi
     port=$((FIRST_PORT + i))
     # instance i gets cores i, i+INSTANCES, ... (all of them shared when there are more instances than cores)
     mine="$(seq -s, "$((i % cores))" "$INSTANCES" "$((cores - 1))")"
     threads="$(tr ',' '\n' <<<"$mine" | grep -c .)"
     OMP_NUM_THREADS="$threads" taskset -c "$mine" "$PYTHON" -m agentcache.cli serve --model "$MODEL" \
-        --engine "$ENGINE" --port "$port" --anchors-dir "$ANCHORS_DIR" ${EXTRA_SERVE_ARGS:-} \
+        --engine "$ENGINE" --port "$port" --anchors-dir "$ANCHORS_DIR" "${events[@]}" ${EXTRA_SERVE_ARGS:-} \
         >"$LOGS/instance-$i.log" 2>&1 &
     pids+=($!)
     urls+=("http://127.0.0.1:$port")
@@ -70,7 +81,8 @@ done
 
 # health checks every second, a worker out after two failures and back after one success;
 # retries re-pick the worker, spaced to outlast that detection (see docs/scale_out.md)
-"$ROUTER" --worker-urls "${urls[@]}" --policy "$POLICY" --host 127.0.0.1 --port "$ROUTER_PORT" \
+[[ "$POLICY" == kv_aware ]] && routing+=(--kv-event-block-size 16 --kv-event-model "$MODEL")
+"$ROUTER" --worker-urls "${urls[@]}" "${routing[@]}" --host 127.0.0.1 --port "$ROUTER_PORT" \
     --prometheus-host 127.0.0.1 --prometheus-port "$METRICS_PORT" \
     --health-check-interval-secs 1 --health-check-timeout-secs 3 --health-failure-threshold 2 \
     --health-success-threshold 1 --retry-max-retries 10 --retry-initial-backoff-ms 100 \

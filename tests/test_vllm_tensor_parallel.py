@@ -15,7 +15,8 @@ from tests.conftest import ENGINE_KINDS, text_of_length
 pytestmark = pytest.mark.vllm
 
 vllm_engine = ENGINE_KINDS["vllm"]
-PRESET = "tiny-llama"  # 2 KV heads: one per rank
+# tiny-llama: 2 KV heads, one per rank; tiny-gemma3: 1 KV head, held by both ranks (Gemma 3 270M's case)
+PRESETS = ["tiny-llama", "tiny-gemma3"]
 
 
 def _prompt(engine, seed: int) -> list[SegmentPlan]:
@@ -28,10 +29,10 @@ def _logprobs(result) -> torch.Tensor:
     return torch.log_softmax(result.last_logits.double(), dim=-1)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    one = vllm_engine(PRESET, pool_blocks=128, instance="tp1")
-    two = vllm_engine(PRESET, pool_blocks=128, instance="tp2", tensor_parallel_size=2)
+@pytest.fixture(scope="module", params=PRESETS)
+def engines(request):
+    one = vllm_engine(request.param, pool_blocks=128, instance="tp1")
+    two = vllm_engine(request.param, pool_blocks=128, instance="tp2", tensor_parallel_size=2)
     return one, two
 
 

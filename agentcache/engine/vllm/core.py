@@ -253,7 +253,10 @@ class VLLMCore:
                     self._on_output(live, output)
             for live in [live for live in self._settling.values() if live.hooks.done]:
                 del self._settling[live.key]
-                self._next_phase(live) if not live.final else self._finish(live)
+                if live.final:
+                    self._finish(live)
+                else:
+                    self._next_phase(live)
         return bool(self._live) or self.engine.has_unfinished_requests()
 
     def _crash(self, exc: BaseException) -> None:
@@ -353,8 +356,8 @@ class VLLMCore:
             waited = 0.0 if metrics is None else max(0.0, metrics.scheduled_ts - metrics.queued_ts)
             live.queued_s = (live.added - live.job.submitted) + waited
         if not live.final:
-            if output.finished:
-                self._settle(live) or self._next_phase(live)
+            if output.finished and not self._settle(live):
+                self._next_phase(live)
             return
         tokens = output.outputs[0].token_ids if output.outputs else []
         if tokens and live.first_token_at is None:
@@ -366,8 +369,8 @@ class VLLMCore:
             return
         if ended and not output.finished:
             self.engine.abort_request([live.key])  # the connector reads its KV back in here
-        if ended or output.finished:
-            self._settle(live) or self._finish(live)
+        if (ended or output.finished) and not self._settle(live):
+            self._finish(live)
 
     def _settle(self, live: _Live) -> bool:
         """Whether the phase that ended waits for the worker processes' captured KV and logits
