@@ -16,7 +16,7 @@ from agentcache.errors import InputError
 from agentcache.runtime import Runtime, RuntimeConfig
 from tests.conftest import make_engine
 from tests.test_economics import DETERMINISTIC, chain, long_query
-from tests.test_persist import DIGEST, KVCMAS, _anchors, _big_bank, _fill
+from tests.test_persist import DIGEST, KVCMAS, _anchors, _big_bank, _files, _fill
 
 
 class DictStore:
@@ -130,7 +130,7 @@ def test_two_writers_at_once_never_corrupt_a_blob_and_keep_each_others_anchors(t
     final = _big_bank()
     assert load_pools(final, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 4
     assert _uids(final) == _uids(banks[0]) | _uids(banks[1])
-    assert [p.name for p in (tmp_path / DIGEST[:32]).iterdir()] == ["default.safetensors"]  # no temporaries
+    assert _files(tmp_path / DIGEST[:32]) == ["default.safetensors"]  # no temporaries
 
 
 def test_a_merge_keeps_each_pool_within_its_capacity(tmp_path):
@@ -220,3 +220,111 @@ def test_bad_anchor_sync_settings_are_refused():
     base = make_engine("tiny-llama", pool_blocks=256)
     with pytest.raises(InputError, match="AnchorStore"):
         Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=object())
+
+
+# --- what review found: evictions, verdicts, old files, other configurations, store errors --------
+
+
+class _Strategy:
+    """What AnchorFiles needs of a corrector: its bank, verification records, settings and faults."""
+
+    def __init__(self, capacity: int) -> None:
+        from agentcache.correction.verification import Verification
+
+        self.bank = AnchorBank(capacity, 2**30)
+        self.verification = Verification()
+        self.strategy = KVCMAS.replace(max_anchors=capacity)
+        self.faults: list[str] = []
+
+    def fault(self, kind: str, what: str, exc: BaseException | None = None) -> None:
+        self.faults.append(kind)
+
+
+def _files_over(store, capacity: int = 10):
+    from agentcache.correction.persist import AnchorFiles
+    from tests.test_persist import LAYOUT
+
+    strategy = _Strategy(capacity)
+    return AnchorFiles(store, DIGEST, strategy, "cpu", LAYOUT), strategy
+
+
+def test_a_sync_never_brings_back_an_anchor_the_bank_evicted(tmp_path):
+    files, strategy = _files_over(DirectoryStore(tmp_path), capacity=2)
+    _fill(strategy.bank, None, seed=0, anchors=2)  # two query anchors: the pool is full
+    files.sync()
+    first = _uids(strategy.bank)
+    from tests.test_persist import LAYERS, _correction, _factors
+
+    keys, values = _factors(LAYERS, 9, 4, 77), _factors(LAYERS, 9, 4, 78)  # a third: one of the first two goes
+    assert strategy.bank.add((None, "query"), "query#new", "agent9", keys, values, "consumer0", _correction(9, 4, 79))
+    after_eviction = _uids(strategy.bank)
+    assert len(after_eviction) == 2 and not first <= after_eviction
+    for _ in range(3):  # the blob still holds the evicted one; the syncs must not take it back
+        files.sync()
+        assert _uids(strategy.bank) == after_eviction
+    assert files.pulled == 0 and strategy.faults == []
+
+
+def test_a_disagreement_one_instance_finds_reaches_the_other():
+    from agentcache.correction.verification import WINDOW, Verdict
+
+    store = DictStore()
+    (a, sa), (b, sb) = _files_over(store), _files_over(store)
+    a.load(None), b.load(None)  # as a runtime starts
+    edge = (None, "query", "planner", "writer", True, 0)
+    for _ in range(WINDOW):
+        sa.verification.record(edge, [Verdict("corrected", True, 0.001, 8)])
+    _fill(sa.bank, None, seed=0, anchors=1)
+    a.sync()
+    b.sync()
+    assert sb.verification.edges[edge].choice(can_correct=True) == "corrected"  # b serves it too
+    sa.verification.record(edge, [Verdict("corrected", False, 0.9, 8)])  # the window was full: same count
+    a.sync()
+    b.sync()
+    assert sb.verification.edges[edge].choice(can_correct=True) is None  # b stops reusing it as well
+    for _ in range(WINDOW):  # b verifies it again: its newer agreement reaches a
+        sb.verification.record(edge, [Verdict("corrected", True, 0.001, 8)])
+    b.sync()
+    a.sync()
+    assert sa.verification.edges[edge].choice(can_correct=True) == "corrected"
+
+
+def test_a_file_without_uids_loads_the_same_anchors_in_every_instance(tmp_path):
+    from tests.test_persist import _rewrite
+
+    bank = _big_bank()
+    _fill(bank, None, anchors=3)
+    path = save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
+    _rewrite(path, lambda header: [record.pop("uid") for record in header["anchors"]])  # an earlier version's
+    first, second = _big_bank(), _big_bank()
+    load_pools(first, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
+    load_pools(second, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
+    assert _uids(first) == _uids(second) and len(_uids(first)) == 3
+    save_pools(first, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)  # merging: no duplicates
+    assert load_pools(_big_bank(), tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 3
+
+
+def test_a_blob_of_another_configuration_is_never_overwritten(tmp_path):
+    bank = _big_bank()
+    _fill(bank, None, anchors=2)
+    path = save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None)
+    data = path.read_bytes()
+    with pytest.raises(InputError, match="strategy settings differ"):
+        save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS.replace(max_anchors=4), tenant=None)
+    assert path.read_bytes() == data
+    path.write_bytes(b"not a blob")  # a corrupt one is replaced
+    assert save_pools(bank, tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == path
+    assert load_pools(_big_bank(), tmp_path, model_digest=DIGEST, strategy=KVCMAS, tenant=None) == 2
+
+
+def test_store_errors_are_counted_and_cost_only_the_exchange(tmp_path):
+    class Failing(DictStore):
+        def read(self, name):
+            raise OSError("the network share is gone")
+
+    files, strategy = _files_over(Failing())
+    files.load("acme")  # a tenant's first call goes on, cold
+    _fill(strategy.bank, "acme", anchors=1)
+    files.sync()
+    assert files.save() == [] and strategy.faults == ["anchor_store_error"] * 3
+    assert _uids(strategy.bank, "acme")  # its own anchors are still used

@@ -6,10 +6,11 @@ if it is still the version the writer read (compare-and-swap), and a writer that
 reads again, merges, and retries (`correction.persist`). A reader sees either the old blob or the
 new one whole.
 
-`DirectoryStore` is a directory (local, or shared between machines on a file system that honours
-`flock`): a blob is a file, replaced by rename, its version the file's identity (inode, mtime,
-size), and writers serialize on an exclusive `flock` of the blob's directory. An object store
-takes its place by implementing the same two methods with its conditional writes (S3's
+`DirectoryStore` is a directory (local, or shared between machines on a file system with POSIX
+record locks, such as NFS with its lock manager): a blob is a file, replaced by rename, its
+version a hash of its bytes (no file-system timestamp or inode number to go stale or repeat),
+and writers serialize on an exclusive `lockf` of a lock file beside it (`.lock`). An object
+store takes its place by implementing the same two methods with its conditional writes (S3's
 `If-Match` on the ETag, GCS's generation preconditions).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import tempfile
@@ -62,41 +64,41 @@ class DirectoryStore:
         return self.root / name
 
     def read(self, name: str) -> Stored | None:
-        path = self.path(name)
-        try:
-            with open(path, "rb") as f:  # a rename replaces the file whole: this one stays readable
-                return Stored(f.read(), _version(os.fstat(f.fileno())))
-        except FileNotFoundError:
-            return None
+        data = _contents(self.path(name))
+        return None if data is None else Stored(data, _version(data))
 
     def write(self, name: str, data: bytes, *, expected: str | None) -> str | None:
         path = self.path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.parent):
-            if _current(path) != expected:
+        with _locked(path.parent / LOCK_FILE):
+            current = _contents(path)
+            if (None if current is None else _version(current)) != expected:
                 return None
             _replace(path, data)
-            return _current(path)
+            return _version(data)
 
 
-def _version(st: os.stat_result) -> str:
-    # a rename brings a new inode; mtime and size tell apart an inode number the file system reused
-    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+LOCK_FILE = ".lock"
 
 
-def _current(path: Path) -> str | None:
+def _version(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _contents(path: Path) -> bytes | None:
     try:
-        return _version(path.stat())
+        with open(path, "rb") as f:  # a rename replaces the file whole: this one stays readable
+            return f.read()
     except FileNotFoundError:
         return None
 
 
 @contextlib.contextmanager
-def _locked(directory: Path):
-    """An exclusive flock on `directory` itself (no lock file to leave behind)."""
-    fd = os.open(directory, os.O_RDONLY)
+def _locked(lock_file: Path):
+    """An exclusive POSIX record lock on `lock_file` (NFS carries these; flock it may not)."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing releases the lock
@@ -107,6 +109,7 @@ def _replace(path: Path, data: bytes) -> None:
     the temporary file goes and `path` stays as it was."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep other instances' users from reading it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -32,7 +32,10 @@ import itertools
 import json
 import logging
 import os
+import random
 import re
+import time
+from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 from typing import Any, Hashable
 
@@ -44,6 +47,7 @@ from agentcache.correction.anchor_store import AnchorStore, DirectoryStore, Stor
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import Factors
 from agentcache.correction.strategies import Strategy
+from agentcache.correction.verification import Verification
 from agentcache.errors import InputError
 
 __all__ = ["FORMAT_VERSION", "STRATEGY_SETTINGS", "model_digest", "blob_name", "pools_path", "save_pools",
@@ -60,6 +64,7 @@ SAMPLED_VALUES = 4096  # per parameter, evenly spaced, in the weight fingerprint
 EDGE_BYTES = 1 << 20  # of a weight file: its first and last MiB are hashed
 WEIGHT_FILES = ("*.safetensors", "*.gguf")
 WRITE_ATTEMPTS = 8  # a save that keeps losing the race to other writers gives up after this many
+KNOWN_UIDS = 1 << 16  # anchor uids an instance remembers per tenant (held or seen in the store)
 
 _fresh_ids = itertools.count()  # loaded anchors' source ids, unique in this process
 _NO_TENANT = object()  # the "tenant" of a pool key not of the form (tenant, slot): equals no tenant
@@ -183,7 +188,9 @@ def save_pools(bank: AnchorBank, store: str | os.PathLike[str] | AnchorStore, *,
                         anchor.source_id, slot)
     if not own and not edges:
         return None
-    for _ in range(WRITE_ATTEMPTS):
+    for attempt in range(WRITE_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, 0.01 * attempt))  # writers that keep colliding spread out
         current = store.read(name)
         theirs, their_edges, generation = _readable(current, store, name, model_digest, settings, tenant)
         kept = _merged(own, theirs, strategy.max_anchors)
@@ -205,16 +212,25 @@ def save_pools(bank: AnchorBank, store: str | os.PathLike[str] | AnchorStore, *,
 def _readable(current: Stored | None, store: AnchorStore, name: str, digest: str, settings: dict,
               tenant: str | None) -> tuple[list[tuple[str, Anchor]], list[dict], int]:
     """The anchors, verification records and generation of the stored blob; nothing for a blob
-    that is absent or cannot be read (logged: the save replaces it)."""
+    that is absent or corrupt (logged: the save replaces it). A whole blob of another
+    configuration (format version, strategy settings) is refused (InputError): it is another
+    deployment's, not this one's to overwrite."""
     if current is None:
         return [], [], 0
+    where = _where(store, name)
     try:
-        header, anchors = _parsed(current.data, _where(store, name), digest, settings, tenant, None)
+        header, _ = _decode(current.data, where)
     except InputError as exc:
-        log.warning("replacing %s: %s", _where(store, name), exc)
+        log.warning("replacing %s: %s", where, exc)
+        return [], [], 0
+    _check_header(where, header, digest, settings, tenant)
+    try:
+        header, anchors = _parsed(current.data, where, digest, settings, tenant, None)
+    except InputError as exc:
+        log.warning("replacing %s: %s", where, exc)
         return [], [], 0
     generation = header.get("generation", 0)
-    return anchors, header.get("edges", []), generation if type(generation) is int else 0
+    return anchors, header["edges"], generation if type(generation) is int else 0
 
 
 def _merged(own: list[tuple[str, Anchor]], theirs: list[tuple[str, Anchor]],
@@ -235,9 +251,14 @@ def _edge_key(record: dict) -> tuple:
 
 
 def _merged_edges(own: list[dict], theirs: list[dict]) -> list[dict]:
-    """The bank's verification records, then the blob's for edges the bank has none of."""
-    known = {_edge_key(r) for r in own}
-    return list(own) + [r for r in theirs if isinstance(r, dict) and _edge_key(r) not in known]
+    """Per edge, the newer of the bank's and the blob's verification records (the bank's on a
+    tie): a disagreement one instance found reaches the others, and so does a later agreement."""
+    merged = {_edge_key(r): r for r in theirs}
+    for record in own:
+        key = _edge_key(record)
+        if key not in merged or record.get("updated", 0.0) >= merged[key].get("updated", 0.0):
+            merged[key] = record
+    return list(merged.values())
 
 
 def _tenant_of(key: Hashable) -> Any:
@@ -319,14 +340,15 @@ def load_pools(bank: AnchorBank, store: str | os.PathLike[str] | AnchorStore, *,
 
 def add_stored(bank: AnchorBank, stored: Stored, where: Any, *, model_digest: str, strategy: Strategy,
                tenant: str | None, layout: Any = None, device: torch.device | str = "cpu",
-               edges: list | None = None) -> int:
-    """`load_pools` for a blob already read (`where` names it in messages)."""
+               edges: list | None = None, known: Any = None) -> int:
+    """`load_pools` for a blob already read (`where` names it in messages). Anchors whose uid is
+    in `known` (a set, or a mapping) are skipped too, and every uid of the blob is added to it."""
     header, anchors = _parsed(stored.data, where, model_digest, _settings(strategy), tenant, layout)
     anchors.sort(key=lambda item: item[1].serial)
     held_uids = {a.uid for pool in bank.pools.values() for a in pool.anchors.values()}
     loaded = []
     for slot, anchor in anchors:  # everything is checked: only now does the bank change
-        if anchor.uid in held_uids:
+        if anchor.uid in held_uids or (known is not None and anchor.uid in known):
             continue
         key, source_id = (tenant, slot), f"persisted:{next(_fresh_ids)}"
         keys, values = _to(anchor.keys, device), _to(anchor.values, device)
@@ -340,6 +362,9 @@ def add_stored(bank: AnchorBank, stored: Stored, where: Any, *, model_digest: st
             held.uses, held.uid = anchor.uses, anchor.uid
             loaded.append((key, source_id))
     count = sum(bank.anchor(key, source_id) is not None for key, source_id in loaded)  # later ones may evict
+    if known is not None:
+        for _, anchor in anchors:
+            known[anchor.uid] = None
     if edges is not None:
         edges.extend(header["edges"])
     log.info("loaded %d of %d anchors from %s", count, len(anchors), where)
@@ -359,6 +384,10 @@ def _parsed(data: bytes, where: Any, digest: str, settings: dict, tenant: str | 
     saved_edges = header.setdefault("edges", [])
     if not (isinstance(saved_edges, list) and all(isinstance(e, dict) for e in saved_edges)):
         raise _refusal(where, "its verification records are not a list of objects")
+    try:
+        Verification().load_json(tenant, saved_edges)  # every field checked before anything is used
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _refusal(where, f"its verification records are malformed ({type(exc).__name__}: {exc})") from None
     return header, anchors
 
 
@@ -455,8 +484,8 @@ def _anchor(path: Any, index: int, record: Any, tensors: dict[str, torch.Tensor]
             raise ValueError("uid is not 32 hex digits")
         anchor = Anchor(str(record.get("source_id", "")), source, factors(record["keys"]), factors(record["values"]),
                         corrections, serial=serial, uses=uses)
-        if uid is not None:  # files of earlier versions have none: a fresh one
-            anchor.uid = uid
+        # files of earlier versions have none: one derived from the anchor, the same in every instance
+        anchor.uid = uid if uid is not None else _legacy_uid(slot, anchor)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _refusal(path, f"{where}'s metadata is malformed ({type(exc).__name__}: {exc})") from None
     if not corrections:
@@ -480,6 +509,13 @@ def _anchor(path: Any, index: int, record: Any, tensors: dict[str, torch.Tensor]
     return slot, anchor
 
 
+def _legacy_uid(slot: str, anchor: Anchor) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    _feed(h, "agentcache-legacy-anchor", slot, anchor.source, anchor.serial, anchor.length,
+          anchor.keys.a.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _to(factors: Factors | None, device: torch.device | str) -> Factors | None:
     if factors is None:
         return None
@@ -493,7 +529,8 @@ class AnchorFiles:
     """A strategy's anchor pools and verification records in a store, one blob per tenant: each
     tenant's blob is loaded when the tenant first calls, every tenant's is merged into the store on
     `save`, and `sync` exchanges anchors with the other instances that share the store. The caller
-    holds the lock that guards the strategy."""
+    holds the lock that guards the strategy. Store errors (I/O, a refused blob) are counted as
+    faults and cost only the exchange: calls go on with the anchors the bank holds."""
 
     def __init__(self, store: AnchorStore, digest: str, strategy: Any, device: Any, layout: Any) -> None:
         self.store = store
@@ -504,8 +541,11 @@ class AnchorFiles:
         self.loaded: dict[str | None, int] = {}  # tenant -> anchors loaded at its first call
         self.pulled = 0  # anchors other instances learned, taken in by `sync`
         self.pushes = 0  # blobs written
-        self._seen: dict[str | None, str] = {}  # tenant -> version of its blob last read
+        self._seen: dict[str | None, str] = {}  # tenant -> version of its blob last taken in
         self._pushed: dict[str | None, tuple] = {}  # tenant -> what its last save held (`_signature`)
+        # tenant -> uids this instance has held or seen in the store: an anchor its bank evicted
+        # is not taken in again (bounded: the oldest are forgotten first)
+        self._known: dict[str | None, OrderedDict[str, None]] = {}
 
     @classmethod
     def open(cls, where: str | os.PathLike[str] | AnchorStore | None, engine: Any,
@@ -526,37 +566,49 @@ class AnchorFiles:
 
     def load(self, tenant: str | None) -> None:
         """Load `tenant`'s blob once. The default tenant's refusal is raised (it is loaded when the
-        runtime starts); another tenant's is counted as a fault and the tenant starts cold."""
+        runtime starts); another tenant's, or a store error, is counted as a fault and the tenant
+        starts cold (the next sync tries again)."""
         if tenant in self.loaded:
             return
         self.loaded[tenant] = 0
         try:
             self.loaded[tenant] = self._pull(tenant)
-        except InputError:
+        except InputError as exc:
             if tenant is None:
                 raise
+            self.strategy.fault("anchor_file_refused", "a tenant's anchor file; the tenant starts cold", exc)
+        except OSError as exc:
+            self.strategy.fault("anchor_store_error", f"reading the anchors store {self.store.location}", exc)
         self._pushed[tenant] = self._signature(tenant)  # what was loaded needs no saving back
 
     def sync(self) -> None:
         """Take in what other instances stored since the last look, and store what this one learned
-        since its last save, for every tenant it has seen."""
+        since its last save, for every tenant it has seen; each tenant's faults are its own."""
         for tenant in self._tenants() | set(self.loaded):
-            unchanged = self._signature(tenant) == self._pushed.get(tenant)
             try:
-                self.pulled += self._pull(tenant)
-            except InputError as exc:  # this instance's own anchors are still saved over it
-                if tenant is None:  # another tenant's refusal was counted by `_pull`
-                    self.strategy.fault("anchor_file_refused", "the default tenant's anchor file; its anchors "
-                                                               "are not used", exc)
-            if unchanged:  # nothing of its own to add to what it just read
-                self._pushed[tenant] = self._signature(tenant)
-            else:
-                self._save(tenant)
+                unchanged = self._signature(tenant) == self._pushed.get(tenant)
+                try:
+                    self.pulled += self._pull(tenant)
+                except InputError as exc:  # this instance's own anchors are still saved
+                    self.strategy.fault("anchor_file_refused", "a tenant's anchor file; its anchors are not used",
+                                        exc)
+                if unchanged:  # nothing of its own to add to what it just read
+                    self._pushed[tenant] = self._signature(tenant)
+                else:
+                    self._save(tenant)
+            except (OSError, InputError) as exc:
+                self.strategy.fault("anchor_store_error", f"exchanging anchors with {self.store.location}", exc)
 
     def save(self) -> list[Path | PurePosixPath]:
+        """Store every tenant's pools; where each went (a tenant whose save fails is counted as a
+        fault: a blob of another configuration is never overwritten)."""
         written = []
         for tenant in sorted(self._tenants(), key=lambda t: (t is not None, t or "")):
-            where = self._save(tenant)
+            try:
+                where = self._save(tenant)
+            except (OSError, InputError) as exc:
+                self.strategy.fault("anchor_store_error", f"saving anchors to {self.store.location}", exc)
+                continue
             if where is not None:
                 written.append(where)
         return written
@@ -570,34 +622,35 @@ class AnchorFiles:
                    | {edge[0] for edge in self.strategy.verification.edges})
         return {t for t in tenants if t is not _NO_TENANT}
 
+    def _known_uids(self, tenant: str | None) -> OrderedDict[str, None]:
+        known = self._known.setdefault(tenant, OrderedDict())
+        for key, pool in self.strategy.bank.pools.items():
+            if _tenant_of(key) == tenant:
+                for anchor in pool.anchors.values():
+                    known[anchor.uid] = None
+        while len(known) > KNOWN_UIDS:
+            known.popitem(last=False)
+        return known
+
     def _pull(self, tenant: str | None) -> int:
-        """Add the anchors of `tenant`'s blob that the bank lacks, and the verification records of
-        edges it has none of, when the blob changed since last read; how many anchors. A refused
-        blob is counted as a fault and raised (InputError)."""
+        """Add the anchors of `tenant`'s blob this instance never held or saw, and the verification
+        records newer than its own, when the blob changed since last taken in; how many anchors.
+        A refused blob raises InputError (and is not tried again until it changes)."""
         name = blob_name(self.digest, tenant)
         current = self.store.read(name)
         if current is None or current.version == self._seen.get(tenant):
             return 0
-        edges: list = []
-        try:
-            added = add_stored(self.strategy.bank, current, _where(self.store, name), model_digest=self.digest,
-                               strategy=self.strategy.strategy, tenant=tenant, layout=self.layout, device=self.device,
-                               edges=edges)
-            try:
-                self.strategy.verification.load_json(tenant, edges, replace=False)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise _refusal(_where(self.store, name), f"its verification records are malformed "
-                                                         f"({type(exc).__name__}: {exc})") from None
-        except InputError as exc:
-            self._seen[tenant] = current.version  # refused once, not again until it changes
-            if tenant is not None:
-                self.strategy.fault("anchor_file_refused", "a tenant's anchor file; its anchors are not used", exc)
-            raise
         self._seen[tenant] = current.version
+        edges: list = []
+        added = add_stored(self.strategy.bank, current, _where(self.store, name), model_digest=self.digest,
+                           strategy=self.strategy.strategy, tenant=tenant, layout=self.layout, device=self.device,
+                           edges=edges, known=self._known_uids(tenant))
+        self.strategy.verification.load_json(tenant, edges, replace=False)  # checked by add_stored
         return added
 
     def _save(self, tenant: str | None) -> Path | PurePosixPath | None:
         signature = self._signature(tenant)
+        self._known_uids(tenant)  # what it stores now it has held
         where = save_pools(self.strategy.bank, self.store, model_digest=self.digest, strategy=self.strategy.strategy,
                            tenant=tenant, edges=self.strategy.verification.to_json(tenant))
         self._pushed[tenant] = signature
@@ -605,9 +658,10 @@ class AnchorFiles:
         return where
 
     def _signature(self, tenant: str | None) -> tuple:
-        """What of `tenant`'s a save would write, less the counts that change on every use."""
+        """What of `tenant`'s a save would write, but for the anchors' use counts (they change on
+        every use) and the corrections' contents (a consumer's correction is replaced only by a
+        newer observation of the same edge)."""
         anchors = sorted((a.uid, tuple(sorted(a.corrections))) for key, pool in self.strategy.bank.pools.items()
                          if _tenant_of(key) == tenant for a in pool.anchors.values())
-        edges = sorted((edge[1:], sum(len(kept) for kept in record.verdicts.values()))
-                       for edge, record in self.strategy.verification.edges.items() if edge[0] == tenant)
-        return tuple(anchors), tuple(map(repr, edges))
+        edges = json.dumps(self.strategy.verification.to_json(tenant), sort_keys=True)
+        return tuple(anchors), hashlib.blake2b(edges.encode(), digest_size=16).digest()

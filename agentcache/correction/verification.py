@@ -23,6 +23,7 @@ paper's entropy gate tracks how alike the anchors are (the `kvcmas_entropy` vari
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class EdgeRecord:
     verdicts: dict[str, deque[Verdict]] = field(default_factory=dict)
     audit_gap: int = FIRST_AUDIT_GAP
     since_audit: int = 0
+    updated: float = 0.0  # wall-clock time of the last verdict: instances sharing records keep the newest
 
     def choice(self, can_correct: bool, needed: int = MIN_VERDICTS) -> str | None:
         """The method to serve: at least `needed` verdicts kept and every one agrees, lowest mean
@@ -101,12 +103,14 @@ class EdgeRecord:
     def record(self, verdict: Verdict) -> None:
         kept = self.verdicts.setdefault(verdict.method, deque(maxlen=WINDOW))
         kept.append(verdict)
+        self.updated = time.time()
         if not verdict.agrees:
             self.audit_gap = FIRST_AUDIT_GAP
 
     def audited(self, served_method_agreed: bool) -> None:
         """A dense call re-verified the method being served: audit less often while it agrees."""
         self.audit_gap = min(2 * self.audit_gap, MAX_AUDIT_GAP) if served_method_agreed else FIRST_AUDIT_GAP
+        self.updated = time.time()
 
 
 class Verification:
@@ -159,14 +163,15 @@ class Verification:
     def to_json(self, tenant: str | None) -> list[dict]:
         """The records of `tenant`'s edges (edge = (tenant, slot, source, consumer, exact source))."""
         return [dict(slot=edge[1], source=edge[2], consumer=edge[3], exact_source=edge[4], after=edge[5],
-                     audit_gap=record.audit_gap,
+                     audit_gap=record.audit_gap, updated=record.updated,
                      verdicts=[dict(method=v.method, agrees=v.agrees, kl=v.kl, tokens=v.tokens)
                                for kept in record.verdicts.values() for v in kept])
                 for edge, record in self.edges.items() if edge[0] == tenant]
 
     def load_json(self, tenant: str | None, records: Sequence[dict], *, replace: bool = True) -> int:
         """Add `tenant`'s saved records (after validating every field); returns how many. With
-        `replace` False, edges that already have a record keep theirs."""
+        `replace` False, an edge's record is replaced only by a newer one (another instance's
+        later verdicts)."""
         parsed = []
         for item in records:
             edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]),
@@ -176,8 +181,13 @@ class Verification:
                 if v["method"] not in METHODS:
                     raise ValueError(f"unknown reuse method {v['method']!r}")
                 record.record(Verdict(v["method"], bool(v["agrees"]), float(v["kl"]), int(v["tokens"])))
+            updated = float(item.get("updated", 0.0))
+            if not math.isfinite(updated):
+                raise ValueError("updated is not a finite time")
+            record.updated = updated
             parsed.append((edge, record))
         if not replace:
-            parsed = [(edge, record) for edge, record in parsed if edge not in self.edges]
+            parsed = [(edge, record) for edge, record in parsed
+                      if edge not in self.edges or record.updated > self.edges[edge].updated]
         self.edges.update(parsed)
         return len(parsed)
