@@ -289,10 +289,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, config)  # before the model loads
     for endpoint in (args.kv_events_endpoint, args.kv_events_replay_endpoint):
         if endpoint is not None and not _local_endpoint(endpoint):
-            raise CommandError(f"--kv-events endpoints must be loopback (tcp://127.0.0.1:PORT) or ipc://, got {endpoint!r}: "
-                               "the events carry the token ids of every tenant's cached prompts")
+            raise CommandError(f"--kv-events endpoints must be loopback (tcp://127.0.0.1:PORT) or ipc://, "
+                               f"got {endpoint!r}: the events carry the token ids of every tenant's cached prompts")
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise CommandError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.kv_events_endpoint and args.engine != "embedded":
+        raise CommandError("--kv-events-endpoint publishes the embedded engine's prefix cache; vLLM publishes "
+                           "its own KV events (its kv_events_config)")
+    runtime_config = RuntimeConfig(warmup=args.warmup, anchor_sync_s=args.anchor_sync_s or None)
     if args.tensor_parallel_size < 1:
         raise CommandError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     if args.tensor_parallel_size > 1 and args.engine != "vllm":
@@ -305,9 +309,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = VLLMEngine(args.model, VLLMConfig(tensor_parallel_size=args.tensor_parallel_size, **settings))
     else:
         engine = open_engine(args.engine, args.model, **settings)
-    runtime = Runtime(engine, strategy=args.strategy,
-                      config=RuntimeConfig(warmup=args.warmup, anchor_sync_s=args.anchor_sync_s or None),
-                      anchors_dir=args.anchors_dir)
+    runtime = Runtime(engine, strategy=args.strategy, config=runtime_config, anchors_dir=args.anchors_dir)
     events = None
     if args.kv_events_endpoint:
         from agentcache.serve.kv_events import KVEventPublisher

@@ -38,17 +38,29 @@ LOGS="${LOGS:-$here/results/cluster-logs}"
 [[ "$INSTANCES" =~ ^[1-9][0-9]*$ ]] || { echo "cluster: INSTANCES must be a positive integer, got '$INSTANCES'" >&2; exit 2; }
 mkdir -p "$ANCHORS_DIR" "$LOGS"
 
-cores="$(nproc)"
+# the CPUs this script may use (a container's cpuset included; nproc would follow OMP_NUM_THREADS)
+read -r -a cpus <<<"$("$PYTHON" -c 'import os; print(*sorted(os.sched_getaffinity(0)))')"
 pids=()
 router_pid=""
 stop() {
+    local status=$?
     trap - INT TERM EXIT
     [[ -n "$router_pid" ]] && kill -TERM "$router_pid" 2>/dev/null || true
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done  # drain, save anchors
+    for pid in ${pids[@]+"${pids[@]}"}; do kill -TERM "$pid" 2>/dev/null || true; done  # drain, save anchors
     wait 2>/dev/null || true
     echo "cluster stopped"
+    exit "$status"
 }
 trap stop INT TERM EXIT
+# wait_for URL PID WHAT: until URL answers, while PID lives, at most 10 minutes (a model may load slowly)
+wait_for() {
+    local deadline=$((SECONDS + 600))
+    until curl -fsS --max-time 5 "$1" >/dev/null 2>&1; do
+        kill -0 "$2" 2>/dev/null || { echo "cluster: $3 exited; see $LOGS" >&2; exit 1; }
+        ((SECONDS < deadline)) || { echo "cluster: $3 not ready after 10 minutes; see $LOGS" >&2; exit 1; }
+        sleep 1
+    done
+}
 
 urls=()
 routing=(--policy "$POLICY")
@@ -61,21 +73,20 @@ for ((i = 0; i < INSTANCES; i++)); do
                   --kv-event-replay-source "http://127.0.0.1:$((FIRST_PORT + i))=$replay")
     fi
     port=$((FIRST_PORT + i))
-    # instance i gets cores i, i+INSTANCES, ... (all of them shared when there are more instances than cores)
-    mine="$(seq -s, "$((i % cores))" "$INSTANCES" "$((cores - 1))")"
-    threads="$(tr ',' '\n' <<<"$mine" | grep -c .)"
-    OMP_NUM_THREADS="$threads" taskset -c "$mine" "$PYTHON" -m agentcache.cli serve --model "$MODEL" \
-        --engine "$ENGINE" --port "$port" --anchors-dir "$ANCHORS_DIR" "${events[@]}" ${EXTRA_SERVE_ARGS:-} \
-        >"$LOGS/instance-$i.log" 2>&1 &
+    # instance i gets CPUs i, i+INSTANCES, ... of the allowed ones (one each, shared round the
+    # list, when there are more instances than CPUs)
+    mine=()
+    for ((c = i % ${#cpus[@]}; c < ${#cpus[@]}; c += INSTANCES)); do mine+=("${cpus[$c]}"); done
+    list="$(IFS=,; echo "${mine[*]}")"
+    OMP_NUM_THREADS="${#mine[@]}" taskset -c "$list" "$PYTHON" -m agentcache.cli serve --model "$MODEL" \
+        --engine "$ENGINE" --port "$port" --anchors-dir "$ANCHORS_DIR" ${events[@]+"${events[@]}"} \
+        ${EXTRA_SERVE_ARGS:-} >"$LOGS/instance-$i.log" 2>&1 &
     pids+=($!)
     urls+=("http://127.0.0.1:$port")
 done
 
 for ((i = 0; i < INSTANCES; i++)); do
-    until curl -fsS "${urls[$i]}/health" >/dev/null 2>&1; do
-        kill -0 "${pids[$i]}" 2>/dev/null || { echo "cluster: instance $i exited; see $LOGS/instance-$i.log" >&2; exit 1; }
-        sleep 1
-    done
+    wait_for "${urls[$i]}/health" "${pids[$i]}" "instance $i"
     echo "instance $i ready at ${urls[$i]}"
 done
 
@@ -89,9 +100,6 @@ done
     --retry-backoff-multiplier 1.5 --retry-max-backoff-ms 2000 \
     >"$LOGS/router.log" 2>&1 &
 router_pid=$!
-until curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/models" >/dev/null 2>&1; do
-    kill -0 "$router_pid" 2>/dev/null || { echo "cluster: the router exited; see $LOGS/router.log" >&2; exit 1; }
-    sleep 0.5
-done
+wait_for "http://127.0.0.1:$ROUTER_PORT/v1/models" "$router_pid" "the router"
 echo "cluster ready: http://127.0.0.1:$ROUTER_PORT/v1 ($INSTANCES instances of $MODEL, policy $POLICY, anchors in $ANCHORS_DIR)"
 wait "$router_pid"

@@ -74,13 +74,39 @@ def test_exact_blocks_are_published_as_vllm_kv_events_and_can_be_replayed():
         replayed = []
         while True:
             assert dealer.poll(5000)
-            frames = dealer.recv_multipart()
-            sequence = int.from_bytes(frames[-2], "big", signed=True)
+            empty, topic, sequence, payload = dealer.recv_multipart()  # vLLM's frames, the topic included
+            assert empty == b"" and topic == b""
+            sequence = int.from_bytes(sequence, "big", signed=True)
             if sequence == -1:
+                assert payload == b""
                 break
             replayed.append(sequence)
         assert replayed == [s for s, _ in batches if s >= 1]
         dealer.close()
+    finally:
+        sub.close()
+        publisher.close()
+
+
+def test_large_batches_are_split_and_an_overflow_clears_the_subscribers_index():
+    from agentcache.engine.blocks import CacheEvent
+    from agentcache.serve import kv_events
+
+    engine = make_engine("tiny-llama", pool_blocks=8)
+    endpoint = free_endpoint()
+    publisher = KVEventPublisher(engine, endpoint, interval_s=3600)  # published by hand below
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.3)
+    try:
+        for i in range(kv_events.MAX_BATCH_EVENTS + 10):
+            engine.cache._record(CacheEvent("stored", i.to_bytes(16, "big"), None, tuple(range(16)), True))
+        engine.cache.events_dropped += 1  # as when its buffer overflowed
+        publisher.publish_now()
+        batches = receive(sub, time.monotonic() + 5)
+        assert [len(events) for _, events in batches] == [kv_events.MAX_BATCH_EVENTS, 11]
+        assert batches[0][1][0] == {"type": "AllBlocksCleared"}
     finally:
         sub.close()
         publisher.close()
@@ -109,13 +135,14 @@ def test_tokenize_gives_the_tokens_a_chat_call_prefills():
                 {"role": "user", "content": "Plan a week of meals for four people, no fish."}]
     with ServerThread(create_app(rt, ServeConfig())) as server:
         base = server.url.removesuffix("/v1")
-        tokens = httpx.post(f"{base}/tokenize", json={"model": "x", "messages": messages,
+        tokens = httpx.post(f"{base}/tokenize", json={"model": rt.engine.model_name, "messages": messages,
                                                       "continue_final_message": False}, timeout=30).json()
         reply = httpx.post(f"{server.url}/chat/completions", json={"model": rt.engine.model_name, "messages": messages,
                                                                    "max_tokens": 2, "temperature": 0}, timeout=60).json()
         assert tokens["count"] == len(tokens["tokens"]) == reply["usage"]["prompt_tokens"] > 0
         assert tokens["max_model_len"] == rt.engine.max_context
         assert rt.results[-1].prompt_tokens == tokens["count"]
+        assert httpx.post(f"{base}/tokenize", json={"model": "other", "messages": messages}).status_code == 404
         for bad, field in (({"prompt": "hi"}, "prompt"), ({"messages": messages, "add_generation_prompt": False},
                                                           "add_generation_prompt"), ({"model": "x"}, "messages")):
             refused = httpx.post(f"{base}/tokenize", json=bad, timeout=30)

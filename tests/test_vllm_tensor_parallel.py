@@ -67,9 +67,9 @@ def test_two_ranks_inject_exactly_and_wrong_kv_changes_the_result(engines):
     assert injected.token_ids == computed.token_ids
     assert (_logprobs(injected) - _logprobs(computed)).abs().max() < 1e-4
 
-    def scrambled(i):  # each rank's heads wrong: both halves of the written KV matter
+    def scrambled(i):  # every head wrong (swapped where there are two): what each rank writes matters
         kv = computed.segments[i].kv
-        return type(kv)(kv.keys.flip(1) * 3, kv.values.flip(1) * 3, kv.start)
+        return type(kv)(kv.keys.flip(1) * 3 + 0.5, kv.values.flip(1) * 3 + 0.5, kv.start)
 
     wrong = two.fresh().execute(ExecRequest(plan(scrambled), SamplingParams(max_tokens=8, ignore_eos=True),
                                             lineage="tp-l2"))

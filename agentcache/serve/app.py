@@ -154,7 +154,11 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         """vLLM's tokenizer route (chat form): the prompt a call would prefill, for routers that
         place requests by cached blocks (vllm-router's kv_aware asks every instance)."""
         tenant = _tenant(config, request)
-        chat = read_tokenize_request(await _read_body(request, config.max_body_bytes))
+        body = await _read_body(request, config.max_body_bytes)
+        chat = read_tokenize_request(body)
+        if body.get("model") not in (None, *names):
+            raise ApiError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}",
+                           param="model", code="model_not_found")
         transcript = read_messages(chat.messages)
         caller = identities.caller(chat, request.headers, transcript, tenant)
         try:

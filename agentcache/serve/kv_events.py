@@ -4,9 +4,11 @@ requests by cached blocks (vllm-router's `kv_aware` policy).
 The wire format is vLLM's (`vllm.distributed.kv_events`): a ZeroMQ PUB socket sends multipart
 messages `[topic, sequence (8 bytes, big-endian), payload]`, the payload a msgpack array
 `[timestamp, events, data_parallel_rank]`, each event a map tagged by "type": `BlockStored`
-(block hashes, parent hash, token ids, block size, ...) or `BlockRemoved` (block hashes). A
-subscriber that sees a gap in the sequence asks the replay socket (ROUTER) for the batches from
-a sequence number on (`[b"", start (8 bytes)]`); the answer ends with sequence -1.
+(block hashes, parent hash, token ids, block size, ...), `BlockRemoved` (block hashes) or
+`AllBlocksCleared` (sent when the cache's event buffer overflowed: what a subscriber holds is
+stale). At most 4096 events go in one message (vllm-router refuses larger batches). A subscriber
+that sees a gap in the sequence asks the replay socket (ROUTER) for the batches from a sequence
+number on (`[b"", start (8 bytes)]`); the answer ends with sequence -1.
 
 Only exact blocks are published: approximate KV is cached under its lineage and never serves
 another request, so it is no reason to route one here. A router hashes the token ids itself
@@ -29,6 +31,8 @@ __all__ = ["KVEventPublisher", "REPLAY_BATCHES"]
 log = logging.getLogger(__name__)
 
 REPLAY_BATCHES = 10_000  # batches kept for subscribers that missed some
+MAX_BATCH_EVENTS = 4096  # events per message: vllm-router refuses a larger batch whole
+END_SEQUENCE = (-1).to_bytes(8, "big", signed=True)  # ends a replay
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (the tier a hit needs no transfer from)
 
 
@@ -56,6 +60,7 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._sequence = 0
+        self._dropped = cache.events_dropped
         self.published = 0  # events
         self._interval = interval_s
         self._stop = threading.Event()
@@ -82,14 +87,17 @@ class KVEventPublisher:
 
     def publish_now(self) -> None:
         events = [self._event(e) for e in self._cache.drain_events() if e.exact]
-        if not events:
-            return
-        payload = self._pack([time.time(), events, None], use_bin_type=True)
-        sequence = self._sequence.to_bytes(8, "big", signed=True)
-        self._publisher.send_multipart([self._topic, sequence, payload])
-        self._sent.append((self._sequence, payload))
-        self._sequence += 1
-        self.published += len(events)
+        dropped = self._cache.events_dropped
+        if dropped != self._dropped:  # the cache's buffer overflowed: what subscribers hold is stale
+            self._dropped = dropped
+            events = [{"type": "AllBlocksCleared"}] + events
+        for first in range(0, len(events), MAX_BATCH_EVENTS):
+            batch = events[first:first + MAX_BATCH_EVENTS]
+            payload = self._pack([time.time(), batch, None], use_bin_type=True)
+            self._publisher.send_multipart([self._topic, self._sequence.to_bytes(8, "big", signed=True), payload])
+            self._sent.append((self._sequence, payload))
+            self._sequence += 1
+            self.published += len(batch)
 
     def _event(self, event: Any) -> dict[str, Any]:
         if event.kind == "stored":
@@ -99,15 +107,21 @@ class KVEventPublisher:
         return {"type": "BlockRemoved", "block_hashes": [event.block_hash], "medium": MEDIUM}
 
     def _answer_replays(self) -> None:
+        """vLLM's replay protocol: a request [identity, b"", start] gets [identity, b"", topic,
+        sequence, payload] for every kept batch from `start` on, then [identity, b"", b"", -1, b""]."""
         if self._replay is None:
             return
         while self._replay.poll(0):
             frames = self._replay.recv_multipart()
-            identity, start = frames[0], int.from_bytes(frames[-1], "big", signed=True)
+            if len(frames) != 3:
+                log.warning("ignoring a KV event replay request of %d frames (3 expected)", len(frames))
+                continue
+            identity, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
             for sequence, payload in list(self._sent):
                 if sequence >= start:
-                    self._replay.send_multipart([identity, b"", sequence.to_bytes(8, "big", signed=True), payload])
-            self._replay.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    self._replay.send_multipart([identity, b"", self._topic, sequence.to_bytes(8, "big", signed=True),
+                                                 payload])
+            self._replay.send_multipart([identity, b"", b"", END_SEQUENCE, b""])
 
     def close(self) -> None:
         self._stop.set()

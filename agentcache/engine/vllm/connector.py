@@ -198,6 +198,7 @@ class AgentCacheConnector(KVConnectorBase_V1):
         self._total_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._saves: list[_Save] = []  # scheduler side: to send with the next step
         self._deferred: dict[str, str] = {}  # scheduler side: request id -> key, blocks kept for a save
+        self._forget: list[str] = []  # scheduler side: keys of dropped calls, popped once their blocks are freed
         self._outbox = _Outbox()  # worker side: to send back at the end of the step
         self._saved: set[str] = set()  # worker side: request ids read back, not yet reported
         self._finished: OrderedDict[str, None] = OrderedDict()  # worker side: request ids vLLM said finished
@@ -328,7 +329,8 @@ class AgentCacheConnector(KVConnectorBase_V1):
             lo, hi = max(start, begin), min(start + keys.shape[2], end)
             if lo < hi:
                 k, v = keys[:, :, lo - start : hi - start], values[:, :, lo - start : hi - start]
-                runs.append((lo, k.contiguous(), v.contiguous()) if self._workers else (lo, k, v))
+                # copies of their own: a view would be pickled with its whole base tensor
+                runs.append((lo, k.clone(), v.clone()) if self._workers else (lo, k, v))
         return tuple(runs)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -352,6 +354,9 @@ class AgentCacheConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for key in self._forget:  # dropped calls whose blocks the last step freed
+            REGISTRY.pop(key, None)
+        self._forget.clear()
         out = connector_output.kv_connector_worker_meta
         if isinstance(out, _Outbox):
             for key, row in out.logits.items():
@@ -368,10 +373,13 @@ class AgentCacheConnector(KVConnectorBase_V1):
                 hooks = REGISTRY.get(key)
                 if hooks is not None:
                     hooks.load_failed = True
-        for request_id in connector_output.finished_sending or ():
-            hooks = REGISTRY.get(self._deferred.pop(request_id, ""))
+        for request_id in connector_output.finished_sending or ():  # their blocks are freed right after this
+            key = self._deferred.pop(request_id, "")
+            hooks = REGISTRY.get(key)
             if hooks is not None:
                 hooks.done = True
+                if hooks.dropped:  # freed under its tag (the eviction policy reads it), then forgotten
+                    self._forget.append(key)
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._deferred)

@@ -203,6 +203,7 @@ class VLLMCore:
         self.cancelled = 0  # calls dropped because their callers cancelled them
         # phases that ended whose captured KV and logits the worker processes have not sent back yet
         self._settling: dict[str, _Live] = {}
+        self._workers = config.tensor_parallel_size > 1
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-vllm-{self.source}")
 
     @property
@@ -244,7 +245,7 @@ class VLLMCore:
         for live in [live for live in self._live.values() if live.request.is_cancelled]:
             self.cancelled += 1  # vLLM frees its blocks; nothing it computed is cached under our tags
             self._drop(live, RequestCancelled("the caller cancelled the request"))
-        if self.engine.has_unfinished_requests() or (self._settling and self.scheduler.has_requests()):
+        if self.engine.has_unfinished_requests() or self._holding():
             with _STEP_LOCK:  # the KV connector's worker side is one per process: one engine steps at a time
                 outputs = self.engine.step()
             for output in outputs:
@@ -257,7 +258,12 @@ class VLLMCore:
                     self._finish(live)
                 else:
                     self._next_phase(live)
-        return bool(self._live) or self.engine.has_unfinished_requests()
+        return bool(self._live) or self.engine.has_unfinished_requests() or self._holding()
+
+    def _holding(self) -> bool:
+        """With worker processes: whether finished requests' blocks are still held for the
+        workers to read (the engine steps on until they sent it back and the blocks are freed)."""
+        return self._workers and self.scheduler.has_requests()
 
     def _crash(self, exc: BaseException) -> None:
         for live in list(self._live.values()):
@@ -438,7 +444,11 @@ class VLLMCore:
             self.engine.abort_request([live.key])  # its blocks are freed under its tag, so abort first
         except Exception:  # noqa: BLE001 - the engine is failing anyway
             pass
-        REGISTRY.pop(live.key, None)
+        hooks = REGISTRY.get(live.key)
+        if hooks is not None and hooks.deferred and not hooks.done:
+            hooks.dropped = True  # the workers free its blocks at the next step: the connector lets go of it then
+        else:
+            REGISTRY.pop(live.key, None)
         self._fail(live, exc)
 
     def _fail(self, live: _Live, exc: BaseException) -> None:

@@ -53,6 +53,7 @@ class RequestHooks:
     # the workers sent back its captured KV and logits (`deferred`), then `done`
     deferred: bool = False
     done: bool = False
+    dropped: bool = False  # its call is gone (cancelled, failed): nothing waits for what comes back
 
 
 REGISTRY: dict[str, RequestHooks] = {}
