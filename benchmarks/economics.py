@@ -446,7 +446,7 @@ def warm_start(setup: Setup) -> tuple[dict, dict]:
         first_figures = runtime_figures(first.summary() | {"_refusal": first.refusal})
         runtimes.remove(first)
         first.close()  # saves its anchor pools to the directory
-        saved = [p.stat().st_size for p in directory.rglob("*") if p.is_file()]  # what A's close() wrote
+        saved = [p.stat().st_size for p in directory.rglob("*.safetensors")]  # what A's close() wrote (not the lock)
         second = setup.runtime(KVCMAS, anchors_dir=str(directory))
         baseline = setup.runtime(NONSHARED)
         runtimes += [second, baseline]
