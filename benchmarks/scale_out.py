@@ -68,7 +68,7 @@ from typing import Any
 import httpx
 
 from _report import emit, fill_defaults  # benchmarks/, the script's own folder
-from serve_load import NAMES, Errors, Reply, free_port, messages, summarize
+from serve_load import NAMES, Errors, Reply, Target, free_port, http_request, messages, summarize
 from serving import document_text, poisson_arrivals
 
 from agentcache.engine.choice import open_engine
@@ -194,46 +194,37 @@ class Outcome:
 
 
 @dataclass
-class Client:
-    url: str  # a router or an instance
-    model: str
-    output_tokens: int
-    errors: Errors = field(default_factory=Errors)
+class RoutedTarget(Target):
+    """serve_load's target, its identity sent as headers a router keeps a session by (and, for a
+    dense replay, under a `cache_salt` of its own: a tenant with no anchors and no sources)."""
 
-    def __post_init__(self) -> None:
+    salt: str | None = None
+
+    def extra(self, agent: str, session: str) -> dict[str, Any]:
+        extra: dict[str, Any] = {"extra_headers": {"X-Session-ID": session, "X-Agentcache-Agent": agent}}
+        if self.salt is not None:
+            extra["extra_body"] = {"cache_salt": self.salt}
+        return extra
+
+
+class Client:
+    """Requests to a router or an instance, through serve_load's streamed request."""
+
+    def __init__(self, url: str, model: str, output_tokens: int, salt: str | None = None) -> None:
         import openai
 
-        self.openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", timeout=600.0, max_retries=0)
+        self.output_tokens = output_tokens
+        self.errors = Errors()
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600.0, max_retries=0)
+        self.target = RoutedTarget(url, sdk, model, self.errors, salt=salt)
 
-    async def request(self, session: str, index: int, msgs: list[dict[str, Any]],
-                      salt: str | None = None) -> Outcome:
-        agent = NAMES[index]
+    async def request(self, session: str, index: int, msgs: list[dict[str, Any]]) -> Outcome:
         began = time.perf_counter()
-        first, parts, extension, prompt_tokens = None, [], None, None
-        extra: dict[str, Any] = {"extra_headers": {"X-Session-ID": session, "X-Agentcache-Agent": agent}}
-        if salt is not None:
-            extra["extra_body"] = {"cache_salt": salt}
-        try:
-            stream = await self.openai.chat.completions.create(
-                model=self.model, messages=msgs, max_tokens=self.output_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, **extra)
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    parts.append(chunk.choices[0].delta.content)
-                extension = (chunk.model_extra or {}).get("agentcache") or extension
-                if chunk.usage is not None:
-                    prompt_tokens = chunk.usage.prompt_tokens
-        except Exception as exc:  # noqa: BLE001 - counted and shown, never hidden
-            message = f"{session} {agent}: {type(exc).__name__}: {exc}"
-            self.errors.add(message)
-            return Outcome(session, agent, began, None, message, msgs)
-        end = time.perf_counter()
-        reply = Reply(agent, (first or end) - began, end - began, "".join(parts), extension, prompt_tokens)
-        return Outcome(session, agent, began, reply, None, msgs)
+        reply = await http_request(self.target, NAMES[index], session, msgs, self.output_tokens)
+        return Outcome(session, NAMES[index], began, reply, None if reply is not None else self.errors.last, msgs)
 
     async def close(self) -> None:
-        await self.openai.close()
+        await self.target.client.close()
 
 
 @dataclass
@@ -412,8 +403,8 @@ async def failover(args, instances: list[Process], ids: dict[str, str], docs: Do
     for session in moved:  # the first call on the new instance, against a dense run of it there
         o = first_after[session]
         dense += all(decision not in REUSING for _, decision in o.reply.server.get("decisions") or [])
-        direct = Client(urls[o.reply.server["instance"]], args.model, args.output_tokens)
-        reference = await direct.request(session + "-dense", NAMES.index(o.agent), o.messages, salt=uuid.uuid4().hex)
+        direct = Client(urls[o.reply.server["instance"]], args.model, args.output_tokens, salt=uuid.uuid4().hex)
+        reference = await direct.request(session + "-dense", NAMES.index(o.agent), o.messages)
         await direct.close()
         checked += 1
         equal += reference.reply is not None and reference.reply.text == o.reply.text

@@ -137,9 +137,11 @@ class Errors:
 
     count: int = 0
     samples: list[str] = field(default_factory=list)
+    last: str | None = None
 
     def add(self, message: str) -> None:
         self.count += 1
+        self.last = message
         if len(self.samples) < 5:
             self.samples.append(message[:300])
 

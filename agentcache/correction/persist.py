@@ -219,13 +219,13 @@ def _readable(current: Stored | None, store: AnchorStore, name: str, digest: str
         return [], [], 0
     where = _where(store, name)
     try:
-        header, _ = _decode(current.data, where)
+        header, tensors = _decode(current.data, where)
     except InputError as exc:
         log.warning("replacing %s: %s", where, exc)
         return [], [], 0
     _check_header(where, header, digest, settings, tenant)
     try:
-        header, anchors = _parsed(current.data, where, digest, settings, tenant, None)
+        anchors = _checked_contents(header, tensors, where, tenant, None)
     except InputError as exc:
         log.warning("replacing %s: %s", where, exc)
         return [], [], 0
@@ -377,6 +377,13 @@ def _parsed(data: bytes, where: Any, digest: str, settings: dict, tenant: str | 
     each checked; InputError for anything amiss."""
     header, tensors = _decode(data, where)
     _check_header(where, header, digest, settings, tenant)
+    return header, _checked_contents(header, tensors, where, tenant, layout)
+
+
+def _checked_contents(header: dict, tensors: dict[str, torch.Tensor], where: Any, tenant: str | None,
+                      layout: Any) -> list[tuple[str, Anchor]]:
+    """The anchors of a decoded blob whose header was checked, each checked, and its verification
+    records validated (left in `header["edges"]`); InputError for anything amiss."""
     records = header.get("anchors")
     if not isinstance(records, list):
         raise _refusal(where, "its metadata has no list of anchors")
@@ -388,7 +395,7 @@ def _parsed(data: bytes, where: Any, digest: str, settings: dict, tenant: str | 
         Verification().load_json(tenant, saved_edges)  # every field checked before anything is used
     except (KeyError, TypeError, ValueError) as exc:
         raise _refusal(where, f"its verification records are malformed ({type(exc).__name__}: {exc})") from None
-    return header, anchors
+    return anchors
 
 
 def _refusal(where: Any, what: str) -> InputError:

@@ -109,6 +109,12 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime, app.state.metrics, app.state.admission = runtime, metrics, admission
 
+    def served(name: str) -> None:
+        """A 404 unless `name` is the model this server serves."""
+        if name not in names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model!r}",
+                           param="model", code="model_not_found")
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
@@ -135,9 +141,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str, request: Request) -> dict[str, Any]:
         _tenant(config, request)
-        if name not in names:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model!r}",
-                           param="model", code="model_not_found")
+        served(name)
         return _model_card(model)
 
     @app.get("/metrics")
@@ -156,9 +160,8 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         tenant = _tenant(config, request)
         body = await _read_body(request, config.max_body_bytes)
         chat = read_tokenize_request(body)
-        if body.get("model") not in (None, *names):
-            raise ApiError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}",
-                           param="model", code="model_not_found")
+        if body.get("model") is not None:  # optional in vLLM's /tokenize
+            served(body["model"])
         transcript = read_messages(chat.messages)
         caller = identities.caller(chat, request.headers, transcript, tenant)
         try:
@@ -175,9 +178,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
             tenant = _tenant(config, request)
             body = await _read_body(request, config.max_body_bytes)
             chat = read_request(body)
-            if chat.model not in names:
-                raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves {model!r}",
-                               param="model", code="model_not_found")
+            served(chat.model)
             transcript = read_messages(chat.messages)
             caller = identities.caller(chat, request.headers, transcript, tenant)
             agent = caller.agent
