@@ -254,10 +254,27 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from agentcache.selfcheck import check_model
 
     _check_model(args.model)
-    report = check_model(open_engine(args.engine, args.model))
+    report = check_model(open_engine(args.engine, args.model, **_placement(args)))
     print(json.dumps(report.to_dict(), indent=2))
     print(("PASSED: " if report.passed else "FAILED: ") + report.reason, file=sys.stderr)
     return 0 if report.passed else 1
+
+
+def _placement(args: argparse.Namespace) -> dict:
+    """The engine settings `--device` and `--dtype` ask for (none when left at their defaults)."""
+    settings = {}
+    if args.device is not None:
+        settings["device"] = args.device
+    if args.dtype != "auto":
+        settings["dtype"] = args.dtype
+    return settings
+
+
+def _add_placement(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--device", default=None, help="the embedded engine's device, e.g. cuda or cuda:1 "
+                         "(default: cpu); vLLM runs on its build's device")
+    command.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                         help="weights and KV (auto: bfloat16 on CUDA, float32 on a CPU)")
 
 
 def _local_endpoint(endpoint: str) -> bool:
@@ -302,8 +319,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1 and args.engine != "vllm":
         raise CommandError("--tensor-parallel-size splits the model over vLLM's worker processes: it needs --engine vllm "
                            "(the embedded engine runs in one process)")
-    settings = {"max_batch": args.max_batch} if args.max_batch else {}
+    settings = ({"max_batch": args.max_batch} if args.max_batch else {}) | _placement(args)
     if args.tensor_parallel_size > 1:
+        settings.pop("device", None)
         from agentcache.engine.vllm import VLLMConfig, VLLMEngine
 
         engine = VLLMEngine(args.model, VLLMConfig(tensor_parallel_size=args.tensor_parallel_size, **settings))
@@ -412,12 +430,14 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, time in-flight requests may take")
     srv.add_argument("--warmup", action="store_true", help="CacheScout warm-up of the predicted next agent's prefix")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_placement(srv)
     srv.set_defaults(run=_cmd_serve)
 
     check = commands.add_parser(
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
     check.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     check.add_argument("--engine", default="embedded", choices=ENGINE_KINDS, help="the engine to check on")
+    _add_placement(check)
     check.set_defaults(run=_cmd_check)
     return parser
 

@@ -20,17 +20,16 @@ from agentcache.calls import plan_call
 from agentcache.correction.corrector import Corrector
 from agentcache.correction.plan import Served
 from agentcache.correction.strategies import STRATEGIES, Strategy
+from agentcache.engine.precision import exactness_tolerance
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.errors import InputError
 from agentcache.fidelity import relative_error
 from agentcache.isolation import Scope
 from agentcache.segments import AgentCall, Segment
 
-__all__ = ["CheckReport", "Verdict", "check_model", "vet_strategy", "ROPE_TOLERANCE"]
+__all__ = ["CheckReport", "Verdict", "check_model", "vet_strategy"]
 
 log = logging.getLogger(__name__)
-
-ROPE_TOLERANCE = 1e-3  # relative Frobenius error of re-aligned layer-0 keys
 
 _PROBE_AGENTS = {
     "analyst": "You are a careful analyst. Read the problem and list the facts it gives.\n",
@@ -95,15 +94,19 @@ def _probe_call(engine: Engine, corrector: Corrector, call: AgentCall) -> tuple[
     return served, served.reports()[1].decision
 
 
-def check_model(engine: Engine, tolerance: float = ROPE_TOLERANCE) -> CheckReport:
-    """Run both checks; `passed` is False with a reason when reuse should not be trusted."""
+def check_model(engine: Engine, tolerance: float | None = None) -> CheckReport:
+    """Run both checks; `passed` is False with a reason when reuse should not be trusted. The
+    re-aligned keys' relative error must be below `tolerance` (default: what the engine's KV dtype
+    can tell apart, `precision.exactness_tolerance`)."""
     name = engine.model_name
     if not engine.supports_realignment:
         return CheckReport(name, False, "RoPE re-alignment is not supported on this model", None, None, None, 0)
+    if tolerance is None:
+        tolerance = exactness_tolerance(engine.layout.dtype)
     rope = _rope_error(engine.fresh())  # probes stay out of the user's cache
     if not rope <= tolerance:
         return CheckReport(name, False, f"re-aligned keys differ from keys computed in place by {rope:.2e} "
-                           f"(tolerance {tolerance:.0e})", rope, None, None, 0)
+                           f"(tolerance {tolerance:.1e} in {engine.layout.dtype})", rope, None, None, 0)
 
     reuse_engine, dense_engine = engine.fresh(), engine.fresh()
     reuse = Corrector(reuse_engine, STRATEGIES["kvcmas_entropy"].replace(tau=1.0), _PROBE_BYTES,

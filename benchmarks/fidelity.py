@@ -36,6 +36,7 @@ from pathlib import Path
 
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.engine import EmbeddedEngine, EngineConfig
+from agentcache.engine.precision import dtype_name
 from agentcache.fidelity import ph_layer_errors, prefix_agreement, teacher_forced
 from agentcache.metrics import summarize
 from agentcache.models import DEFAULT_MODEL
@@ -77,7 +78,7 @@ def _learns(strategy) -> bool:
 
 def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
-    engine = EmbeddedEngine(args.model)
+    engine = EmbeddedEngine(args.model, EngineConfig(dtype=args.dtype))
     check = None if args.quick else check_model(engine.with_config(EngineConfig()))
     strategies = {name: STRATEGIES[name] for name in ORDER}
     for name, (base, changes) in MATCHED.items():
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         }
     return {
         "model": engine.model_name,
+        "dtype": dtype_name(engine.layout.dtype),
         "task": args.task,
         "workflow": list(FourAgentWorkflow.agents),
         "problems": args.problems,
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run (under a minute on 2 cores)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--task", choices=["fact", "arithmetic"], default="fact")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the engine's weights and KV (auto: float32 on a CPU)")
     parser.add_argument("--problems", type=int, default=None, help="scored problems")
     parser.add_argument("--warmup", type=int, default=None, help="problems that only fill the anchor pools")
     parser.add_argument("--tau", type=float, default=None, help="gate threshold for every correcting strategy")

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from agentcache import Runtime, check_model
 from agentcache.engine.choice import open_engine
+from agentcache.engine.precision import dtype_name
 from agentcache.metrics import CallResult, summarize
 
 __all__ = ["StrategyRuns", "agent_means", "answer_scores", "figures", "format_table", "progress", "runtime_figures",
@@ -30,6 +31,7 @@ class StrategyRuns:
     progress: bool = True
     engine: str = "embedded"  # or "vllm": each strategy then has a vLLM engine of its own
     anchors_dir: Path | None = None
+    dtype: str = "auto"  # the engines' weights and KV (auto: float32 on a CPU, bfloat16 on CUDA)
     runtimes: dict[str, Runtime] = field(init=False)
     setup_s: float = field(init=False)  # loading and checking the model
 
@@ -38,7 +40,7 @@ class StrategyRuns:
 
         started = time.perf_counter()
         with tqdm(total=2, desc=f"loading {self.model}", unit="step", disable=not self.progress) as bar:
-            self._base = open_engine(self.engine, self.model, instance="check")
+            self._base = open_engine(self.engine, self.model, instance="check", **self._placement)
             bar.set_description(f"checking {self.model} (agentcache check)")
             bar.update(1)
             self._check = check_model(self._base)
@@ -47,11 +49,20 @@ class StrategyRuns:
         self.setup_s = time.perf_counter() - started
 
     def _new_runtimes(self) -> dict[str, Runtime]:
-        engines = {s: self._base.fresh() if self.engine == "embedded" else open_engine(self.engine, self.model, instance=s)
-                   for s in self.strategies}
+        engines = {s: self._base.fresh() if self.engine == "embedded"
+                   else open_engine(self.engine, self.model, instance=s, **self._placement) for s in self.strategies}
         return {s: Runtime(engines[s], strategy=s, check=self._check,
                            anchors_dir=None if self.anchors_dir is None else Path(self.anchors_dir) / s)
                 for s in self.strategies}
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the engines run in, by name."""
+        return dtype_name(self._base.layout.dtype)
+
+    @property
+    def _placement(self) -> dict[str, str]:
+        return {} if self.dtype == "auto" else {"dtype": self.dtype}
 
     def restart(self) -> dict[str, dict[str, int]]:
         """Close every runtime (saving its anchor pools) and start new ones on empty caches, from

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from agentcache.device_audit import DeviceAudit
 from agentcache.engine import EmbeddedEngine, EngineConfig
 
 TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3"]
@@ -55,6 +58,31 @@ ENGINE_MARKS = {"vllm": [pytest.mark.vllm]}
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "engine_kinds(*kinds, reason): runs only on these ENGINE_KINDS (the "
                             "`engine_kind` fixture skips the others, showing the reason)")
+
+
+# Every test is a device check too: agentcache's code must name the device of every tensor it makes,
+# or it mixes devices on a GPU (`agentcache.device_audit`). A test's own DeviceAudit takes what it provokes.
+_SUITE_AUDIT = DeviceAudit()
+
+
+def pytest_sessionstart(session) -> None:
+    _SUITE_AUDIT.__enter__()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _SUITE_AUDIT.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _tensors_name_their_device():
+    """Fails the test during which agentcache code made a tensor without naming its device."""
+    before = Counter(_SUITE_AUDIT.violations)
+    yield
+    new = _SUITE_AUDIT.violations - before
+    if new:
+        places = "\n".join(f"  {count}x {where}" for where, count in new.most_common())
+        pytest.fail("agentcache code made tensors without naming their device (they land on the CPU and mix "
+                    f"with CUDA KV on a GPU); pass device=...:\n{places}")
 
 
 @pytest.fixture(params=[pytest.param(kind, marks=ENGINE_MARKS.get(kind, []), id=kind) for kind in ENGINE_KINDS])

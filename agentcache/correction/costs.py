@@ -85,7 +85,7 @@ class Continuations:
         """A call of `agent` in `session` with this prompt: learn how much of the agent's previous
         prompt in the session it starts with, and return the share of this prompt the agent's next
         call is expected to start with (from the calls before this one)."""
-        key, tokens = (tenant, session, agent), torch.tensor(prompt, dtype=torch.int64)
+        key, tokens = (tenant, session, agent), torch.tensor(prompt, dtype=torch.int64, device="cpu")  # host-side bookkeeping
         previous = self.latest.pop(key, None)
         if previous is not None and len(previous[0]):
             before, was_follow_up = previous

@@ -68,7 +68,7 @@ def interpolated_correction(
     covered = min(length, max(base.length for base in bases))
     correction = torch.zeros_like(source)
     for layer in range(layers):
-        distance = torch.full((len(bases), covered), math.inf, dtype=source.dtype)  # (n, covered)
+        distance = torch.full((len(bases), covered), math.inf, dtype=source.dtype, device=source.device)  # (n, covered)
         reach = []
         for v, base in enumerate(bases):
             rows = min(covered, base.length)

@@ -568,8 +568,7 @@ class AnchorFiles:
         if getattr(strategy, "bank", None) is None or not (strategy.strategy.reuse and strategy.strategy.correct):
             log.info("strategy %s learns no anchors: nothing persists in %s", strategy.strategy.name, store.location)
             return None
-        return cls(store, model_digest(engine), strategy, getattr(getattr(engine, "config", None), "device", "cpu"),
-                   engine.layout)
+        return cls(store, model_digest(engine), strategy, engine.layout.device, engine.layout)
 
     def load(self, tenant: str | None) -> None:
         """Load `tenant`'s blob once. The default tenant's refusal is raised (it is loaded when the

@@ -92,7 +92,7 @@ class SelectiveCorrector(Corrector):
     def _profile(self, scope: Scope) -> LayerProfile:
         profile = self.profiles.get(scope.tenant)
         if profile is None:
-            profile = LayerProfile(self.engine.layout.num_layers, self.strategy.profile_transitions)
+            profile = LayerProfile(self.engine.layout.num_layers, self.strategy.profile_transitions, self.engine.layout.device)
             self.profiles[scope.tenant] = profile
         return profile
 
@@ -113,11 +113,11 @@ class SelectiveCorrector(Corrector):
 class LayerProfile:
     """Per-layer KV deviation of reused sources against dense targets, over the first transitions."""
 
-    def __init__(self, num_layers: int, needed: int) -> None:
+    def __init__(self, num_layers: int, needed: int, device: torch.device | str = "cpu") -> None:
         self.num_layers = num_layers
         self.needed = needed
         self.observed = 0
-        self.deviation = torch.zeros(num_layers, dtype=torch.float64)  # summed relative error per layer
+        self.deviation = torch.zeros(num_layers, dtype=torch.float64, device=device)  # summed relative error per layer
 
     @property
     def ready(self) -> bool:

@@ -11,6 +11,7 @@ unsalted, blocks at or after the first approximate token under the call's lineag
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import CallCache, SegmentKV
 from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import EngineLoop
+from agentcache.engine.precision import dtype_name, dtype_setting, parse_dtype, resolve_dtype
 from agentcache.engine.protocol import (
     CacheStats,
     ExecRequest,
@@ -52,6 +54,9 @@ class EngineConfig:
     prefill_chunk: int = 2048  # tokens per forward pass during prefill (bounds the mask's memory)
     prefix_caching: bool = True  # False: never look up or store blocks (the no-reuse baseline)
     device: str = "cpu"
+    # weights and KV: "auto" (a model given loaded: its own dtype; by name: bfloat16 on CUDA, float32
+    # elsewhere), "bfloat16", "float16" or "float32"
+    dtype: str | torch.dtype = "auto"
     max_batch: int = 8  # requests decoded together; 1 runs one request at a time (the serialized baseline)
     warmup_chunk: int = 64  # prefill tokens per pass of a warm-up: what a real arrival may wait behind
     threads: int | None = None  # torch threads for the engine's steps; None: see `choose_threads`
@@ -67,6 +72,13 @@ class EngineConfig:
             raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
         check_eviction(self.eviction, "EngineConfig.eviction")
         _check_device(self.device)
+        object.__setattr__(self, "dtype", dtype_setting(self.dtype, "EngineConfig.dtype"))
+
+    def model_dtype(self, loaded: torch.dtype | None) -> torch.dtype:
+        """The dtype the engine runs in, for a model `loaded` in that dtype (None: loaded by name)."""
+        if loaded is not None and parse_dtype(self.dtype, "EngineConfig.dtype") is None:
+            return loaded
+        return resolve_dtype(self.dtype, self.device, "EngineConfig.dtype")
 
 
 def _source_of(model: LoadedModel | str) -> str | None:
@@ -116,6 +128,20 @@ def _check_device(device: object) -> None:
                          f"(indices 0..{count() - 1})")
 
 
+def _in_dtype(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
+    """The model given, converted in place to `dtype` (as it is moved in place to the engine's device),
+    under a new instance id (its KV is another model's). One that already serves an engine is refused:
+    converting it would change that engine's weights."""
+    if loaded.dtype == dtype:
+        return loaded
+    if LayerControl.installed(loaded.model):
+        raise InputError(f"model {loaded.name!r} already serves an engine in {dtype_name(loaded.dtype)}; converting it to "
+                         f"{dtype_name(dtype)} would change that engine's weights: load another copy "
+                         f"(load_model(..., dtype=torch.{dtype_name(dtype)}))")
+    loaded.model.to(dtype)
+    return replace(loaded, instance_id=uuid.uuid4().hex)
+
+
 def _check_pool_fits(capacity: int, block_bytes: int, device: str) -> None:
     """A CPU pool must fit this machine's memory (its storage is reserved up front, paged in lazily)."""
     if torch.device(device).type != "cpu":
@@ -132,7 +158,10 @@ class EmbeddedEngine(ModelFrontend):
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        if isinstance(model, LoadedModel):
+            loaded = _in_dtype(model, self.config.model_dtype(model.dtype))
+        else:
+            loaded = load_model(model, dtype=self.config.model_dtype(None), device=self.config.device)
         self.loaded = loaded
         # what loads these weights again (a preset name or a directory), for configs; None: unknown
         self.model_source: str | None = _source_of(model)
@@ -163,6 +192,12 @@ class EmbeddedEngine(ModelFrontend):
                 f"with_config shares this engine's weights on '{self.config.device}'; "
                 f"build a new EmbeddedEngine for device '{config.device}'"
             )
+        if config.model_dtype(self.layout.dtype) != self.layout.dtype:
+            raise ValueError(
+                f"with_config shares this engine's weights in {dtype_name(self.layout.dtype)}; build a new "
+                f"EmbeddedEngine for dtype {config.dtype!r}"
+            )
+        config = replace(config, dtype=dtype_name(self.layout.dtype))  # the twin keeps these weights as they are
         if isinstance(config.eviction, EvictionPolicy) and config.eviction.attached:  # it serves a pool already
             config = replace(config, eviction=config.eviction.fresh())
         twin = EmbeddedEngine(self.loaded, config)

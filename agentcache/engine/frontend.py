@@ -32,14 +32,25 @@ from agentcache.models import LoadedModel
 __all__ = ["ModelFrontend", "layout_of"]
 
 
-def layout_of(model: torch.nn.Module) -> KVLayout:
-    """Probe one token through the model and read the KV shape of every layer."""
+def layout_of(model: torch.nn.Module, first_token: int | None = None) -> KVLayout:
+    """Probe one token (`first_token`, the BOS a prompt starts with, else id 0) through the model
+    and read the KV shape of every layer; a model whose KV overflows its dtype is refused."""
     from transformers import DynamicCache
 
     config = model.config
     probe = DynamicCache()
+    token = 0 if first_token is None else first_token
     with torch.inference_mode():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), past_key_values=probe, use_cache=True)
+        out = model(input_ids=torch.full((1, 1), token, dtype=torch.long, device=model.device), past_key_values=probe,
+                    use_cache=True)
+    finite = bool(torch.isfinite(out.logits).all()) and all(
+        bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()) for layer in probe.layers)
+    if not finite:
+        dtype = next(model.parameters()).dtype
+        raise ModelLoadError(
+            f"model type '{config.model_type}' computes NaN or Inf in {dtype} (its activations overflow this "
+            "dtype, as Gemma 3's do in float16): run it in bfloat16 or float32"
+        )
     shapes = {tuple(layer.keys.shape[1::2]) for layer in probe.layers}  # {(H, D)}
     if len(shapes) != 1:
         raise ModelLoadError(
@@ -47,8 +58,9 @@ def layout_of(model: torch.nn.Module) -> KVLayout:
             "agentcache's engines support uniform KV layouts"
         )
     (heads, dim), = shapes
-    dtype = probe.layers[0].keys.dtype
-    return KVLayout(num_layers=len(probe.layers), num_kv_heads=heads, head_dim=dim, dtype=dtype)
+    keys = probe.layers[0].keys
+    return KVLayout(num_layers=len(probe.layers), num_kv_heads=heads, head_dim=dim, dtype=keys.dtype,
+                    device=keys.device)
 
 
 class ModelFrontend:
@@ -73,7 +85,7 @@ class ModelFrontend:
         eos = model.config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
-        self.layout = layout_of(model)
+        self.layout = layout_of(model, self.bos_token_id if loaded.requires_bos else None)
         self.hidden_size = int(getattr(model.config, "get_text_config", lambda: model.config)().hidden_size)
         try:
             self._rope: RopeAligner | None = RopeAligner.from_model(model)

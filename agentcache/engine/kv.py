@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from agentcache.errors import KVShapeError
 
-__all__ = ["KVLayout", "SegmentKV", "CallCache", "prefix_digests", "joined", "joined_hidden"]
+__all__ = ["KVLayout", "SegmentKV", "same_device", "CallCache", "prefix_digests", "joined", "joined_hidden"]
 
 
 def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int], model_key: bytes) -> dict[int, bytes]:
@@ -40,14 +40,20 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")  # where the engine's KV lives
 
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one (`cuda` is the current CUDA device, taken as index 0)."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ class SegmentKV:
                 )
             if tensor.dtype != layout.dtype:
                 raise KVShapeError(f"{what}: {name} have dtype {tensor.dtype}, the model uses {layout.dtype}")
+            if not same_device(tensor.device, layout.device):
+                raise KVShapeError(f"{what}: {name} are on {tensor.device}, the engine's KV is on {layout.device}")
         if self.start < 0:
             raise KVShapeError(f"{what}: start position {self.start} is negative")
 

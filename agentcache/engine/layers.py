@@ -60,6 +60,11 @@ class LayerControl:
             model._agentcache_layer_control = control
         return control
 
+    @staticmethod
+    def installed(model: torch.nn.Module) -> bool:
+        """Whether an engine has taken this model (installed its control)."""
+        return getattr(model, "_agentcache_layer_control", None) is not None
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

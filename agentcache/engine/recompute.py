@@ -57,7 +57,7 @@ def pick_deviating(cache: CallCache, blend: Blend, layer: int) -> list[int]:
     count = round(blend.spec.fraction * len(blend.positions))
     if count == 0:
         return []
-    where = torch.tensor(blend.positions, dtype=torch.long)
+    where = torch.tensor(blend.positions, dtype=torch.long, device=cache.key_buffer.device)  # (T,)
     keys, values = cache.key_buffer[layer, 0][:, where], cache.value_buffer[layer, 0][:, where]  # (H, T, D)
     deviation = ((keys.float() - blend.kv.keys[layer].float()).pow(2).sum((0, 2))
                  + (values.float() - blend.kv.values[layer].float()).pow(2).sum((0, 2)))  # (T,)
@@ -89,14 +89,15 @@ def chunks(positions: list[int], size: int) -> list[list[int]]:
 class HiddenRecord:
     """The hidden states entering one decoder layer, per position of a request (prompt and output)."""
 
-    def __init__(self, layer: int, capacity: int, width: int) -> None:
+    def __init__(self, layer: int, capacity: int, width: int, device: torch.device | str) -> None:
         self.layer = layer
-        self.rows = torch.zeros((capacity, width))  # (C, hidden size) float32
-        self.known = torch.zeros(capacity, dtype=torch.bool)
+        # float32 on purpose: exact for every hidden state of a bf16 or fp16 model, fed back as its dtype
+        self.rows = torch.zeros((capacity, width), dtype=torch.float32, device=device)  # (C, hidden size)
+        self.known = torch.zeros(capacity, dtype=torch.bool, device=device)
 
     def put(self, positions: list[int], hidden: torch.Tensor) -> None:
         """`hidden` (T, hidden size) entered the layer at `positions`."""
-        where = torch.tensor(positions, dtype=torch.long)
+        where = torch.tensor(positions, dtype=torch.long, device=self.rows.device)  # (T,)
         self.rows[where] = hidden.float().to(self.rows.device)
         self.known[where] = True
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentcache.engine.precision import compute_dtype, exactness_tolerance
 from agentcache.errors import RopeAlignmentError
 
 __all__ = ["RopeAligner", "rotate_keys", "SUPPORTED_ROPE_TYPES", "REALIGNABLE_MODEL_TYPES"]
@@ -26,16 +27,19 @@ REALIGNABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemm
 def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate post-RoPE keys by `delta` positions (HF rotate-half layout).
 
-    keys: (L, H, T, D); inv_freq: (L, D/2) float64, one row per layer. Returns a new tensor.
+    keys: (L, H, T, D); inv_freq: (L, D/2) float64, one row per layer, on the keys' device. Returns
+    a new tensor in the keys' dtype, rotated in float32 (float64 for float64 keys): bf16 and fp16 keys
+    are rounded once, at the end.
     """
     if delta == 0:
         return keys.clone()
+    work = compute_dtype(keys.dtype)
     half = keys.shape[-1] // 2
     angle = float(delta) * inv_freq  # (L, D/2), float64 so large deltas keep their precision
-    cos = angle.cos().to(keys.dtype)[:, None, None, :]  # (L, 1, 1, D/2)
-    sin = angle.sin().to(keys.dtype)[:, None, None, :]
-    first, second = keys[..., :half], keys[..., half:]  # (L, H, T, D/2) each
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    cos = angle.cos().to(work)[:, None, None, :]  # (L, 1, 1, D/2)
+    sin = angle.sin().to(work)[:, None, None, :]
+    first, second = keys[..., :half].to(work), keys[..., half:].to(work)  # (L, H, T, D/2) each
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(keys.dtype)
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,10 @@ class RopeAligner:
         aligner._probe(model)
         return aligner
 
-    def _probe(self, model: torch.nn.Module, shift: int = 37, tolerance: float = 1e-3) -> None:
+    def _probe(self, model: torch.nn.Module, shift: int = 37) -> None:
         """Layer-0 keys depend only on token and position: computed at q they must equal the keys
-        computed at p and re-aligned to q. Catches rotary layouts the model list lets through."""
+        computed at p and re-aligned to q, as exactly as the model's dtype rounds. Catches rotary
+        layouts the model list lets through."""
         from transformers import DynamicCache
 
         tokens = torch.arange(3, 11, device=model.device)[None] % model.config.vocab_size  # (1, 8)
@@ -105,11 +110,13 @@ class RopeAligner:
                 layer0.append(cache.layers[0].keys[0])  # (H, 8, D)
         at_p, at_q = layer0
         moved = rotate_keys(at_p[None], shift, self.inv_freq[:1].to(at_p.device))[0]  # layer 0 only
-        error = float((moved - at_q).norm() / at_q.norm())
+        error = float((moved.float() - at_q.float()).norm() / at_q.float().norm())
+        tolerance = exactness_tolerance(at_q.dtype)
         if not error < tolerance:
             raise RopeAlignmentError(
                 f"model type '{model.config.model_type}': re-aligned layer-0 keys differ from keys computed "
-                f"in place by {error:.1e} (relative); its rotary layout cannot be re-aligned exactly"
+                f"in place by {error:.1e} (relative; {at_q.dtype} allows {tolerance:.1e}); its rotary layout "
+                "cannot be re-aligned exactly"
             )
 
     def realign(self, keys: torch.Tensor, from_start: int, to_start: int) -> torch.Tensor:

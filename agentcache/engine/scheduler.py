@@ -211,7 +211,7 @@ class BatchScheduler:
                                     warmup_chunk=self.warmup_chunk)
             live = _Live(job, prompt, lease, cache, digests, layout)
             if request.hidden_layer is not None:
-                live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, self.hidden_size)
+                live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, self.hidden_size, self.device)
             sampling = request.sampling
             if sampling.temperature > 0 and sampling.seed is not None:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)

@@ -43,11 +43,13 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def _build_random(name: str, preset: Preset, seed: int, dtype: torch.dtype) -> LoadedModel:
+def _build_random(name: str, preset: Preset, seed: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     config = preset.make_config()
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
@@ -120,12 +122,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     progress: bool = True,
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Load a preset by name or a local HF model directory by path."""
+    """Load a preset by name or a local HF model directory by path. A random-weight preset is built
+    on `device` (its weights then differ from the CPU's: each device has its own generator); a real
+    model is loaded on the CPU, and the engine moves it."""
     name = str(spec)
     preset = PRESETS.get(name)
     if preset is not None and preset.make_config is not None:
-        return _build_random(name, preset, seed, dtype)
+        return _build_random(name, preset, seed, dtype, device)
     if preset is not None:
         return _load_directory(name, _real_model_directory(name, preset, progress), dtype, preset.requires_bos)
     path = Path(name).expanduser()

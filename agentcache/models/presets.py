@@ -13,6 +13,7 @@ from agentcache.models.qwen import QWEN_DIR_NAME, fetch_qwen25_coder_05b
 from agentcache.models.tiny import (
     byte_tokenizer,
     chatml_tokenizer,
+    llama_1b_config,
     mid_llama_config,
     tiny_gemma3_config,
     tiny_llama_config,
@@ -69,6 +70,8 @@ PRESETS: dict[str, Preset] = {
     ),
     "tiny-gemma3": Preset(tiny_gemma3_config, True, "4-layer random Gemma 3: sliding window 8, local/global rope"),
     "mid-llama": Preset(mid_llama_config, True, "8-layer random Llama, hidden 512 (timing benchmarks)"),
+    "llama-1b": Preset(llama_1b_config, True, "random Llama shaped like Llama 3.2 1B: 16 layers, hidden 2048, "
+                       "8 KV heads (timing on a GPU; byte tokenizer)"),
 }
 
 

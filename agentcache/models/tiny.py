@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["byte_tokenizer", "chatml_tokenizer", "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen2_chat_config",
-           "tiny_gemma3_config", "mid_llama_config", "TINY_CHATML_TEMPLATE"]
+           "tiny_gemma3_config", "mid_llama_config", "llama_1b_config", "TINY_CHATML_TEMPLATE"]
 
 _BYTE_SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -144,6 +144,21 @@ def tiny_gemma3_config() -> Any:
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
         },
         query_pre_attn_scalar=32, initializer_range=0.08, **_TINY_COMMON,
+    )
+
+
+def llama_1b_config() -> Any:
+    from transformers import LlamaConfig
+
+    # Random weights shaped like Llama 3.2 1B (1.1B parameters at this vocabulary): a GPU's timing model.
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+        initializer_range=0.02, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
     )
 
 

@@ -51,6 +51,7 @@ def run_batch(
     engine: str = "embedded",
     anchors_dir: Path | None = None,
     second_run: int = 0,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Every document runs through the team once per strategy, the strategies rotated per document.
     The first `warmup` documents (not scored) fill the anchor pools, as a served runtime is warmed.
@@ -63,13 +64,13 @@ def run_batch(
     with contextlib.ExitStack() as stack:
         if second_run and anchors_dir is None:
             anchors_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentcache-anchors-")))
-        runs = StrategyRuns(model, strategies, progress_bar, engine=engine, anchors_dir=anchors_dir)
+        runs = StrategyRuns(model, strategies, progress_bar, engine=engine, anchors_dir=anchors_dir, dtype=dtype)
         batch = [document_problem(seed + i, people) for i in range(warmup + documents + second_run)]
         first = _run_documents(runs, batch[:warmup + documents], warmup, note_tokens, answer_tokens, progress_bar,
                                "document team")
         rows = _rows(runs, first, strategies)
         report = {
-            "model": model, "engine": engine, "documents": documents, "warmup_documents": warmup, "people": people,
+            "model": model, "engine": engine, "dtype": runs.kv_dtype, "documents": documents, "warmup_documents": warmup, "people": people,
             "seed": seed, "mean_prompt_tokens": first.mean_prompt_tokens, "agents": list(AGENTS), "setup_s": runs.setup_s,
             "strategies": rows, "examples": first.examples(strategies),
         }
@@ -203,6 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser, documents: int = 4, second_ru
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
                         help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the engine's weights and KV (auto: float32 on a CPU, bfloat16 on CUDA)")
     parser.add_argument("--documents", type=_at_least(1), default=documents, help="scored documents")
     parser.add_argument("--warmup", type=_at_least(0), default=warmup,
                         help="documents run first, not scored: they verify reuse and fill the anchor pools")
@@ -232,7 +235,8 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
     report = run_batch(args.model, args.documents, tuple(s for s in args.strategies.split(",") if s),
                        people=args.people, warmup=args.warmup, seed=args.seed, note_tokens=args.note_tokens,
                        answer_tokens=args.answer_tokens, engine=args.engine,
-                       anchors_dir=Path(args.anchors_dir) if args.anchors_dir else None, second_run=args.second_run)
+                       anchors_dir=Path(args.anchors_dir) if args.anchors_dir else None, second_run=args.second_run,
+                       dtype=args.dtype)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")

@@ -49,12 +49,13 @@ def run_batch(
     decision_tokens: int = 12,
     progress: bool = True,
     engine: str = "embedded",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Every problem runs through the swarm once per strategy, the strategies rotated per problem."""
     if BASELINE not in strategies:
         strategies = (*strategies, BASELINE)
     started = time.perf_counter()
-    runs = StrategyRuns(model, strategies, progress, engine=engine)
+    runs = StrategyRuns(model, strategies, progress, engine=engine, dtype=dtype)
     swarms = {}
     for name, runtime in runs.runtimes.items():
         experts = AgentCacheChatModel(runtime=runtime, max_tokens=expert_tokens)
@@ -103,7 +104,7 @@ def run_batch(
         row.update(runtime_figures(runtime))
         rows.append(row)
     return {
-        "model": model, "engine": engine, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
+        "model": model, "engine": engine, "dtype": runs.kv_dtype, "problems": problems, "seed": seed, "background": background, "expert_tokens": expert_tokens,
         "decision_tokens": decision_tokens, "agents": list(_AGENT_ORDER), "setup_s": runs.setup_s,
         "total_s": time.perf_counter() - started, "strategies": rows,
         "examples": [{"question": p.text, "answer": p.answer, **{s: finals[s][i] for s in strategies}}
@@ -149,6 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser, problems: int = 6) -> None:
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
                         help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the engine's weights and KV (auto: float32 on a CPU, bfloat16 on CUDA)")
     parser.add_argument("--problems", type=int, default=problems)
     parser.add_argument("--strategies", default="kvcmas,nonshared,fullshared")
     parser.add_argument("--seed", type=int, default=0)
@@ -163,7 +166,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
     """Run the batch `args` describe, print the comparison, write `<name>.json` and `<name>.png`."""
     report = run_batch(args.model, args.problems, tuple(s for s in args.strategies.split(",") if s),
                        seed=args.seed, background=args.background, expert_tokens=args.expert_tokens,
-                       decision_tokens=args.decision_tokens, engine=args.engine)
+                       decision_tokens=args.decision_tokens, engine=args.engine, dtype=args.dtype)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")

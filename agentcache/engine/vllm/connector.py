@@ -48,6 +48,7 @@ __all__ = ["AgentCacheConnector"]
 log = logging.getLogger(__name__)
 _LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # learned once per cache shape and kernel
 _FINISHED_KEPT = 4096  # finished request ids a worker remembers while their save may still come
+_CODE_BASE = 128  # learning the KV layout: integers 1..128 are exact in float32, bf16 and fp16
 
 
 Run = tuple[int, torch.Tensor, torch.Tensor]  # (first position, K, V), K and V (L, H, T, D) with every KV head
@@ -133,32 +134,49 @@ class _PagedKV:
                                        attn.isa, k_scale=attn._k_scale_float, v_scale=attn._v_scale_float)
 
     def _learn_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the cache-write op puts token t, head h, channel d inside a block: write codes
-        1..n as keys and -1..-n as values into a scratch block and see where they land."""
+        """Where the cache-write op puts token t, head h, channel d inside a block: write the code
+        of each (t, h, d) as keys and its negative as values into a scratch block and see where they
+        land. Codes go in digit by digit (base 128: every digit is exact in bf16 and fp16 too)."""
         bs, heads, dim = self.block_size, self.heads, self.head_dim
         n = bs * heads * dim
-        codes = torch.arange(1, n + 1, dtype=torch.float32).view(bs, heads, dim)  # exact in float32
-        scratch = torch.zeros((1, heads, bs, 2 * dim), dtype=self.caches[0].dtype)
-        key_cache, value_cache = self._halves(scratch)
+        cache = self.caches[0]
+        device = cache.device
+        codes = torch.arange(n, dtype=torch.int64, device=device).view(bs, heads, dim)
+        slots = torch.arange(bs, dtype=torch.int64, device=device)
         attn = self.layers[0]
-        ops.cpu_attn_reshape_and_cache(codes.to(scratch.dtype), (-codes).to(scratch.dtype), key_cache, value_cache,
-                                       torch.arange(bs, dtype=torch.int64), attn.isa, k_scale=1.0, v_scale=1.0)
-        flat = scratch.flatten().to(torch.float32)
-        key_index = torch.empty(n, dtype=torch.int64)
-        value_index = torch.empty(n, dtype=torch.int64)
-        where = torch.arange(flat.numel())
-        keys, values = flat > 0, flat < 0
-        key_index[flat[keys].long() - 1] = where[keys]
-        value_index[(-flat[values]).long() - 1] = where[values]
-        if int(keys.sum()) != n or int(values.sum()) != n:
-            raise RuntimeError("could not learn vLLM's CPU KV layout: the cache-write op lost values")
+        found: list[torch.Tensor] = []  # per digit: (where keys landed, where values landed, their digits)
+        place = 1
+        while place == 1 or place < n:
+            digit = (codes // place % _CODE_BASE + 1).to(cache.dtype)  # (bs, H, D), 1..128: exact
+            scratch = torch.zeros((1, heads, bs, 2 * dim), dtype=cache.dtype, device=device)
+            key_cache, value_cache = self._halves(scratch)
+            ops.cpu_attn_reshape_and_cache(digit, -digit, key_cache, value_cache, slots, attn.isa,
+                                           k_scale=1.0, v_scale=1.0)
+            flat = scratch.flatten().to(torch.float32)
+            if int((flat > 0).sum()) != n or int((flat < 0).sum()) != n:
+                raise RuntimeError("could not learn vLLM's CPU KV layout: the cache-write op lost values")
+            found.append(flat)
+            place *= _CODE_BASE
+        keys, values = found[0] > 0, found[0] < 0  # the same places on every pass
+        key_code = torch.zeros(n, dtype=torch.int64, device=device)
+        value_code = torch.zeros(n, dtype=torch.int64, device=device)
+        place = 1
+        for flat in found:
+            key_code += (flat[keys].long() - 1) * place
+            value_code += (-flat[values].long() - 1) * place
+            place *= _CODE_BASE
+        where = torch.arange(keys.numel(), device=device)
+        key_index = torch.empty(n, dtype=torch.int64, device=device)
+        value_index = torch.empty(n, dtype=torch.int64, device=device)
+        key_index[key_code] = where[keys]
+        value_index[value_code] = where[values]
         return key_index.view(bs, heads, dim), value_index.view(bs, heads, dim)
 
     def read(self, block_ids: list[int], begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The KV of positions [begin, end) of a request whose blocks are `block_ids`: (L, H, T, D) each."""
         bs = self.block_size
         first, last = begin // bs, (end - 1) // bs + 1
-        ids = torch.tensor(block_ids[first:last], dtype=torch.int64)
+        ids = torch.tensor(block_ids[first:last], dtype=torch.int64, device=self.caches[0].device)
         lo, hi = begin - first * bs, end - first * bs
         keys, values = [], []
         for cache in self.caches:
@@ -248,8 +266,9 @@ class AgentCacheConnector(KVConnectorBase_V1):
     def _load(self, paged: _PagedKV, load: _Load, first_head: int) -> None:
         bs = paged.block_size
         heads = slice(first_head, first_head + paged.heads)
-        positions = torch.arange(load.start, load.start + load.count)
-        blocks = torch.tensor(load.block_ids, dtype=torch.int64)
+        device = paged.caches[0].device
+        positions = torch.arange(load.start, load.start + load.count, device=device)
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
         slots = blocks[positions // bs] * bs + positions % bs  # (T,)
         for start, keys, values in load.runs:  # (L, H, T, D) each
             lo, hi = max(start, load.start), min(start + keys.shape[2], load.start + load.count)

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,6 +27,7 @@ import torch
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import SegmentKV, prefix_digests
 from agentcache.engine.loop import EngineLoop, Job
+from agentcache.engine.precision import dtype_name, resolve_dtype
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
 from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.sampling import finish_after
@@ -149,18 +150,24 @@ class VLLMCore:
         self.source = model.name if isinstance(model, LoadedModel) else str(model)
         self.directory = model_directory(self.source)
         loaded = model if isinstance(model, LoadedModel) else load_model(self.source)
+        self.threads = choose_threads(loaded.model, config.threads) or torch.get_num_threads()
+        vllm = import_vllm(self.threads)
+        from vllm.platforms import current_platform
+
+        device = torch.device(current_platform.device_type)  # where vLLM keeps its KV
+        self.dtype = resolve_dtype(config.dtype, device, "VLLMConfig.dtype")
+        if loaded.dtype != self.dtype:  # the frontend's model (RoPE probe, KV layout) in vLLM's dtype
+            loaded = load_model(self.source, dtype=self.dtype)
         self.frontend = ModelFrontend()
         self.frontend._init_frontend(loaded, loaded.model)
+        self.frontend.layout = replace(self.frontend.layout, device=device)
         self.frontend.model_key = _weights_key(self.directory)  # cores over the same files compute the same KV
         self.block_size = config.block_size
         self.prefix_caching = config.prefix_caching
-        self.threads = choose_threads(loaded.model, config.threads) or torch.get_num_threads()
         self.max_model_len = min(config.max_model_len or min(loaded.max_context, 16384), loaded.max_context)
         if config.pool_blocks is not None:  # vLLM refuses a context its pool cannot hold
             self.max_model_len = min(self.max_model_len, config.pool_blocks * config.block_size)
         del loaded  # vLLM loads its own copy of the weights
-
-        vllm = import_vllm(self.threads)
         from vllm.config import KVTransferConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import RequestOutputKind
@@ -171,7 +178,7 @@ class VLLMCore:
         blocks = None if config.pool_blocks is None else config.pool_blocks + 1  # vLLM keeps one as its null block
         block_bytes = config.block_size * self.frontend.layout.bytes_per_token
         args = EngineArgs(
-            model=str(self.directory), dtype="float32", block_size=config.block_size,
+            model=str(self.directory), dtype=dtype_name(self.dtype), block_size=config.block_size,
             enable_prefix_caching=config.prefix_caching, enforce_eager=True, max_model_len=self.max_model_len,
             max_num_seqs=config.max_batch, max_num_batched_tokens=max(config.prefill_chunk, config.max_batch),
             enable_chunked_prefill=True, num_gpu_blocks_override=blocks,

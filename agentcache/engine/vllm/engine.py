@@ -29,9 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from agentcache.engine.eviction import AgentAwarePolicy, EvictionPolicy
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import prefix_digests
+from agentcache.engine.precision import dtype_setting
 from agentcache.engine.protocol import CacheStats, ExecRequest, ExecResult, Step
 from agentcache.engine.vllm.core import Call, VLLMCore
 from agentcache.errors import InputError, PlanError
@@ -60,6 +63,8 @@ class VLLMConfig:
     # vLLM's tensor parallelism: worker processes, each holding its share of the KV heads (the KV
     # cache settings are per worker); 1 runs the model in this process
     tensor_parallel_size: int = 1
+    # weights and KV: "auto" (bfloat16 on CUDA, float32 on a CPU), "bfloat16", "float16" or "float32"
+    dtype: str | torch.dtype = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_batch", "prefill_chunk", "tensor_parallel_size"):
@@ -72,6 +77,7 @@ class VLLMConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise InputError(f"VLLMConfig.{name} must be a positive int or None, got {value!r}")
+        object.__setattr__(self, "dtype", dtype_setting(self.dtype, "VLLMConfig.dtype"))
         if not (isinstance(self.eviction, AgentAwarePolicy) or (isinstance(self.eviction, str) and self.eviction == "lru")):
             raise InputError(f"VLLMConfig.eviction: vLLM orders free blocks by its own LRU ('lru') or by an agent-aware "
                              f"policy object, e.g. eviction=agentcache.make_policy('survival'); got {self.eviction!r}")
@@ -81,7 +87,8 @@ class VLLMConfig:
         """What a vLLM engine is built with: views with equal settings share one."""
         eviction = self.eviction if isinstance(self.eviction, str) else id(self.eviction)
         return (self.block_size, self.pool_blocks, self.kv_cache_bytes, self.max_batch, self.prefill_chunk,
-                self.prefix_caching, self.max_model_len, self.threads, eviction, self.instance, self.tensor_parallel_size)
+                self.prefix_caching, self.max_model_len, self.threads, eviction, self.instance, self.tensor_parallel_size,
+                self.dtype)
 
 
 class VLLMEngine(ModelFrontend):
