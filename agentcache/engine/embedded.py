@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from agentcache.engine.attention import use_engine_attention
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy, check_eviction
@@ -166,6 +167,7 @@ class EmbeddedEngine(ModelFrontend):
         # what loads these weights again (a preset name or a directory), for configs; None: unknown
         self.model_source: str | None = _source_of(model)
         self.model = loaded.model.to(self.config.device).eval()
+        use_engine_attention(self.model)  # the causal mask implied, not built (engine.attention)
         self._init_frontend(loaded, self.model)
         self.block_size = self.config.block_size
         self.runner = ModelRunner(self.model, self.layout)

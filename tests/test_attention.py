@@ -1,0 +1,71 @@
+"""The engine's attention: the causal mask implied (lower-right), computing what HF's SDPA path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import agentcache.engine.attention as attention
+from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan
+from agentcache.models import load_model
+
+from conftest import TINY_PRESETS
+
+# (cached, new): from position 0; fewer cached than new (padded queries); more (a mask); one new token
+SHAPES = [(0, 40), (12, 40), (40, 12), (39, 1), (30, 30)]
+
+
+def _last_pass(model, ids: torch.Tensor, cached: int, implementation: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.config._attn_implementation = implementation
+    cache = DynamicCache()
+    with torch.inference_mode():
+        if cached:
+            model(input_ids=ids[:, :cached], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True)
+    return out.logits, [layer.keys for layer in cache.layers]
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)  # tiny-gemma3: sliding-window layers of 8, passed by far here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_implied_mask_computes_what_hf_sdpa_computes(preset, dtype):
+    model = load_model(preset, dtype=dtype).model
+    torch.manual_seed(0)
+    for cached, new in SHAPES:
+        ids = torch.randint(3, 250, (1, cached + new))
+        want_logits, want_keys = _last_pass(model, ids, cached, "sdpa")
+        got_logits, got_keys = _last_pass(model, ids, cached, attention.ATTENTION)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got_logits.float(), want_logits.float(), atol=tolerance, rtol=tolerance), (cached, new)
+        for got, want in zip(got_keys, want_keys):
+            assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance), (cached, new)
+
+
+def test_a_prefill_after_a_prefix_hit_builds_no_mask(monkeypatch):
+    """After a hit, the engine's prefill runs SDPA's causal kernel (queries padded) with no mask tensor."""
+    engine = EmbeddedEngine("tiny-llama", EngineConfig(pool_blocks=64))
+    seen = []
+    real = attention.sdpa_attention_forward
+
+    def spy(module, query, key, value, mask, **kwargs):
+        seen.append((query.shape[2], key.shape[2], mask is None, kwargs.get("is_causal")))
+        return real(module, query, key, value, mask, **kwargs)
+
+    system = engine.tokenize("You are the planner of a small team." * 2, bos=True)[:32]
+    for text in ("First question about the trip." * 3, "Second question about the budget." * 3):
+        engine.execute(ExecRequest([SegmentPlan("sys", system), SegmentPlan("q", engine.tokenize(text))],
+                                   SamplingParams(max_tokens=1)))
+        if not seen:
+            monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+    assert seen, "the second call's passes went through the engine's attention"
+    cached, new = 32, seen[0][1] - 32
+    assert seen[0][0] == cached + new  # the queries padded to the keys' length
+    assert all(mask_free and causal for _, _, mask_free, causal in seen)
+
+
+def test_a_pass_with_fewer_keys_than_queries_is_refused():
+    query = torch.zeros(1, 2, 5, 4)
+    key = torch.zeros(1, 2, 3, 4)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="5 queries over 3 keys"):
+        attention.causal_attention(module, query, key, key, None)
