@@ -42,7 +42,7 @@ from agentcache.correction.replays import REPLAY_PRIORITY, dense_replay, exact_r
 from agentcache.correction.siblings import Leader, SiblingReads, content_of, study_source
 from agentcache.correction.sources import REFERENCE
 from agentcache.correction.verification import CONTEXT_FREE_VERDICTS, MIN_VERDICTS, Verdict, Verification
-from agentcache.engine.kv import SegmentKV
+from agentcache.engine.kv import SegmentKV, all_finite
 from agentcache.engine.protocol import Engine, SegmentPlan, Step
 from agentcache.idle import Lesson
 from agentcache.engine.tokens import common_prefix
@@ -515,7 +515,7 @@ class Corrector(SharedContextStrategy):
         kv = source.kv
         try:
             kv.check(self.engine.layout, len(source.token_ids), f"source cache {source.id}")
-            sound = bool(torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all())
+            sound = all_finite(kv.keys, kv.values)
         except Exception:  # noqa: BLE001 - a mis-shaped, mistyped or missing KV: not a source
             sound = False
         if not sound:
@@ -578,7 +578,7 @@ class Corrector(SharedContextStrategy):
             )
             rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
-        if not all(bool(torch.isfinite(t).all()) for t in corrected):
+        if not all_finite(*corrected):
             return None
         return SegmentKV(corrected[0], corrected[1], 0)
 
@@ -657,7 +657,7 @@ class Corrector(SharedContextStrategy):
         src_k, src_v = as_rows(aligned.keys).float(), as_rows(aligned.values).float()  # (L, S, F)
         tgt_k, tgt_v = as_rows(target.keys).float(), as_rows(target.values).float()
         delta_k, delta_v = tgt_k[1:] - src_k[1:], tgt_v[1:] - src_v[1:]  # (L-1, S, F)
-        if not (torch.isfinite(delta_k).all() and torch.isfinite(delta_v).all()):
+        if not all_finite(delta_k, delta_v):
             self.fault("nonfinite_delta", f"the observed correction of slot {source.slot!r} holds NaN or Inf")
             return None
         s = self.strategy

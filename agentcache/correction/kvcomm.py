@@ -47,7 +47,7 @@ from agentcache.correction.matching import gate_distances, gate_weights, normali
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, TokenizedCall
 from agentcache.correction.sources import REFERENCE
 from agentcache.correction.store import Materialization
-from agentcache.engine.kv import SegmentKV, joined
+from agentcache.engine.kv import SegmentKV, all_finite, joined
 from agentcache.engine.protocol import ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope, tenant_salt
@@ -295,7 +295,7 @@ class KVCommCorrector(Corrector):
                 rows[1:] += weights[v, None, :, None] * delta.rows(length)
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
             glue[part] = channel_weights(real, bases)
-        if not all(bool(torch.isfinite(t).all()) for t in corrected):
+        if not all_finite(*corrected):
             self._drop_non_finite(pool_key, candidates)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=verdict.entropy, setup_s=gate_s)
         return PHDecision("corrected", source=source, covered=length,
@@ -384,7 +384,7 @@ class KVCommCorrector(Corrector):
                 observed = getattr(anchor.corrections[agent], f"glue_{part}")  # (L-1, G, F)
                 rows[1:] += part_weights[v, 1:, None, :] * _dense(observed)
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
-        if not all(bool(torch.isfinite(t).all()) for t in corrected):
+        if not all_finite(*corrected):
             return None
         return SegmentKV(corrected[0], corrected[1], start)
 
@@ -421,7 +421,7 @@ class KVCommCorrector(Corrector):
                 glue_k = Factors(as_rows(glue_real.keys).float()[1:] - as_rows(placed.keys).float()[1:], None)
                 glue_v = Factors(as_rows(glue_real.values).float()[1:] - as_rows(placed.values).float()[1:], None)
             parts = [delta_k, delta_v] + [f.a for f in (glue_k, glue_v) if f is not None]
-            if not all(bool(torch.isfinite(p).all()) for p in parts):
+            if not all_finite(*parts):
                 self.fault("nonfinite_delta", f"the observed correction of slot {decision.source.slot!r} holds NaN or Inf")
                 return None
             correction = Correction(Factors(delta_k.clone(), None), Factors(delta_v.clone(), None),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentcache.engine.kv import all_finite
+
 __all__ = ["Factors", "factorize", "low_rank_is_smaller", "as_rows", "from_rows"]
 
 
@@ -61,10 +63,10 @@ class Factors:
         """Numbers in the matrices these factors describe (L·T·F)."""
         return self.num_layers * self.length * self.features
 
-    def rows(self, count: int | None = None) -> torch.Tensor:
-        """The first `count` rows of every layer, reconstructed: (L, count, F)."""
-        a = self.a if count is None else self.a[:, :count]
-        return a.clone() if self.b is None else torch.bmm(a, self.b)
+    def rows(self, count: int | None = None, layers: slice = slice(None)) -> torch.Tensor:
+        """The first `count` rows of every layer (of `layers`), reconstructed: (L, count, F)."""
+        a = self.a[layers] if count is None else self.a[layers, :count]
+        return a.clone() if self.b is None else torch.bmm(a, self.b[layers])
 
     def has_shape(self, layers: int, length: int, features: int) -> bool:
         """Whether this holds `layers` float32 matrices of `length` x `features`, consistently factored."""
@@ -81,7 +83,7 @@ class Factors:
         return a.clone() if self.b is None else a @ self.b[layer]
 
     def is_finite(self) -> bool:
-        return bool(torch.isfinite(self.a).all()) and (self.b is None or bool(torch.isfinite(self.b).all()))
+        return all_finite(self.a, *([] if self.b is None else [self.b]))
 
 
 def low_rank_is_smaller(tokens: int, features: int, rank: int) -> bool:

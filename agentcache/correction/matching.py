@@ -62,20 +62,17 @@ def interpolated_correction(
     factors of those layers; bases: base factors, whose layer ℓ + `base_layer_offset` pairs with
     source layer ℓ. w_v[ℓ, t] = softmax over the anchors covering
     token t of −mean|source[ℓ, t] − base_v[ℓ, t]| / T. Tokens no anchor covers get no correction
-    (no extrapolation). Works layer by layer. Returns (Δ̂ (L, S, F), tokens corrected).
+    (no extrapolation). Works anchor by anchor, every layer at once. Returns (Δ̂ (L, S, F), tokens corrected).
     """
     layers, length, features = source.shape
     covered = min(length, max(base.length for base in bases))
+    paired = slice(base_layer_offset, base_layer_offset + layers)  # the base layers that pair with the source's
+    reach = [min(covered, base.length) for base in bases]
+    distance = torch.full((len(bases), layers, covered), math.inf, dtype=source.dtype, device=source.device)
+    for v, (base, rows) in enumerate(zip(bases, reach)):
+        distance[v, :, :rows] = (source[:, :rows] - base.rows(rows, paired)).abs().mean(-1)  # (L, rows)
+    weights = torch.softmax(-distance / temperature, dim=0)  # (n, L, covered); every token has ≥1 anchor
     correction = torch.zeros_like(source)
-    for layer in range(layers):
-        distance = torch.full((len(bases), covered), math.inf, dtype=source.dtype, device=source.device)  # (n, covered)
-        reach = []
-        for v, base in enumerate(bases):
-            rows = min(covered, base.length)
-            reach.append(rows)
-            distance[v, :rows] = (source[layer, :rows] - base.layer_rows(layer + base_layer_offset, rows)).abs().mean(-1)
-        weights = torch.softmax(-distance / temperature, dim=0)  # (n, covered); every token has ≥1 anchor
-        for v, delta in enumerate(deltas):
-            rows = reach[v]
-            correction[layer, :rows] += weights[v, :rows, None] * delta.layer_rows(layer, rows)
+    for v, (delta, rows) in enumerate(zip(deltas, reach)):
+        correction[:, :rows] += weights[v, :, :rows, None] * delta.rows(rows)  # (L, rows, F)
     return correction, covered

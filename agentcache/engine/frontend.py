@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from agentcache.engine.grammar import Grammars
-from agentcache.engine.kv import KVLayout, SegmentKV
+from agentcache.engine.kv import KVLayout, SegmentKV, all_finite
 from agentcache.engine.protocol import ExecRequest, Step, TokenRecompute
 from agentcache.engine.rope import RopeAligner
 from agentcache.engine.tokens import LiteralTokenizer
@@ -162,7 +162,7 @@ class ModelFrontend:
             if seg.step is Step.INJECT:
                 kv = seg.kv
                 kv.check(self.layout, len(seg.token_ids), f"segment '{seg.name}'")
-                if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
+                if not all_finite(kv.keys, kv.values):
                     raise KVShapeError(f"segment '{seg.name}': injected KV contains NaN or Inf")
                 if kv.start != start and self._rope is None:
                     raise self._rope_error

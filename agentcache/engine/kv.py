@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from agentcache.errors import KVShapeError
 
-__all__ = ["KVLayout", "SegmentKV", "same_device", "CallCache", "prefix_digests", "joined", "joined_hidden"]
+__all__ = ["KVLayout", "SegmentKV", "all_finite", "same_device", "CallCache", "prefix_digests", "joined", "joined_hidden"]
 
 
 def prefix_digests(token_ids: Sequence[int], cut_points: Iterable[int], model_key: bytes) -> dict[int, bytes]:
@@ -45,6 +45,16 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every number in `tensors` (on one device) is finite, in one pass each and one read on the
+    host: NaN and ±Inf survive a float32 sum, and finite KV sums far below float32's range (a sum that
+    overflowed would only count as not finite: a fallback, never a wrong cache)."""
+    if not tensors:
+        return True
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])  # (n,)
+    return bool(torch.isfinite(sums).all())
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
