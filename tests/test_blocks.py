@@ -169,3 +169,28 @@ def test_salt_is_verified_on_a_hash_hit(monkeypatch):
 
     with pytest.raises(BlockCollision):
         pool.store(None, (1, 2, 3, 4), *kv_for((1, 2, 3, 4), 0))
+
+
+def test_a_run_of_blocks_is_stored_in_one_write_and_taken_back_if_the_write_fails(monkeypatch):
+    pool = BlockPool(16, BS, "lru", LAYOUT)
+    tokens = list(range(1, 13))  # 3 blocks
+    keys = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None].expand(2, 1, -1, 4)  # (L, H, T, D)
+    first = pool.store(None, tuple(tokens[:BS]), keys[:, :, :BS].clone(), -keys[:, :, :BS].clone())
+    held = []
+    # the first block is cached already: found, not written again; the two after it are new
+    assert pool.store_run(None, tokens, keys, -keys, [None, None, "planner"], held) is None
+    assert held[0] is first and [b.salt for b in held] == [None, None, "planner"]
+    stored, _ = pool.gather(held)
+    assert stored[0, 0, :, 0].tolist() == tokens  # every block's KV is its tokens'
+    pool.release(held + [first])
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(pool, "_write", broken)
+    again: list = []
+    more = list(range(21, 33))
+    with pytest.raises(RuntimeError, match="device lost"):
+        pool.store_run(None, more, keys, -keys, [None] * 3, again)
+    assert again == [] and pool.match(more) == []  # nothing unwritten stays cached or referenced
+    assert all(b.ref_count == 0 for b in pool.blocks()) and pool.num_used == 3

@@ -116,7 +116,7 @@ def test_kv_is_exact_only_for_the_weights_that_computed_it(tiny_engine):
 def test_failure_while_caching_blocks_leaks_no_references(tiny_engine, monkeypatch):
     engine = tiny_engine
     segments = three_segments(engine, seed=12)
-    real_store = engine.pool.store
+    real_store = engine.pool._stored
     calls = {"n": 0}
 
     def flaky_store(*args, **kwargs):
@@ -125,7 +125,7 @@ def test_failure_while_caching_blocks_leaks_no_references(tiny_engine, monkeypat
             raise RuntimeError("disk on fire")
         return real_store(*args, **kwargs)
 
-    monkeypatch.setattr(engine.pool, "store", flaky_store)
+    monkeypatch.setattr(engine.pool, "_stored", flaky_store)
     with pytest.raises(RuntimeError, match="disk on fire"):
         engine.execute(ExecRequest(segments, GREEDY))
     assert engine.pool.num_used == 2 and all(b.ref_count == 0 for b in engine.pool.blocks())

@@ -10,6 +10,8 @@ segment, and the strategy prepares its learning from it with no lock held and th
 
 from __future__ import annotations
 
+import itertools
+
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -46,7 +48,7 @@ class TokenizedCall:
         for tokens in self.token_lists:
             starts.append(starts[-1] + len(tokens))
         object.__setattr__(self, "starts", tuple(starts))
-        object.__setattr__(self, "prompt", tuple(t for tokens in self.token_lists for t in tokens))
+        object.__setattr__(self, "prompt", tuple(itertools.chain.from_iterable(self.token_lists)))
 
     @property
     def fixed_prefix(self) -> int:

@@ -279,6 +279,77 @@ class BlockPool:
         Raises CapacityError when the pool is full and nothing can be evicted, BlockCollision
         when another block already holds this hash.
         """
+        block, created = self._stored(parent, token_ids, salt, namespace, owner, visit)
+        if created and self.key_storage is not None:
+            self.key_storage[block.block_id] = keys
+            self.value_storage[block.block_id] = values
+        return block
+
+    def store_run(
+        self,
+        parent: Block | None,
+        token_ids: Sequence[int],
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        salts: Sequence[str | None],
+        held: list[Block],
+        *,
+        namespace: str | None = None,
+        owner: str | None = None,
+        visit: Any = None,
+    ) -> CapacityError | BlockCollision | None:
+        """Cache len(salts) consecutive full blocks after `parent`, block i under `salts[i]` (as `store`
+        does one): token_ids holds their n·B tokens, keys/values (L, H, n·B, D) their KV, written in one
+        copy. Each block stored is acquired and appended to `held` as it is. When one cannot be (a full
+        pool, a collision) the run stops there and that error is returned. The new blocks' KV is written
+        before the run returns (the caller holds the pool meanwhile); if the write fails, they are
+        dropped again."""
+        bs = self.block_size
+        fresh: list[Block] = []  # blocks new to the pool (a suffix of the run: a new block's children are new)
+        first_fresh = 0
+        try:
+            for i, salt in enumerate(salts):
+                try:
+                    block, created = self._stored(parent, token_ids[i * bs : (i + 1) * bs], salt, namespace, owner,
+                                                  visit)
+                except (CapacityError, BlockCollision) as exc:
+                    return exc
+                held.append(block)
+                if created:
+                    first_fresh = first_fresh if fresh else i
+                    fresh.append(block)
+                parent = block
+            return None
+        finally:
+            if fresh and self.key_storage is not None:
+                try:
+                    self._write(first_fresh, [b.block_id for b in fresh], keys, values)
+                except BaseException:
+                    self._drop_new(fresh, held)
+                    raise
+
+    def _write(self, first: int, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Blocks first.. of a run's KV (L, H, n·B, D) into storage rows `block_ids`: one copy for K, one for V."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key_storage.device)  # (m,)
+        begin, end = first * self.block_size, (first + len(block_ids)) * self.block_size
+        for source, storage in ((keys, self.key_storage), (values, self.value_storage)):
+            layers, heads, _, dim = source.shape
+            blocks = source[:, :, begin:end].reshape(layers, heads, len(block_ids), self.block_size, dim)  # (L, H, m, B, D)
+            storage.index_copy_(0, ids, blocks.permute(2, 0, 1, 3, 4))  # rows (m, L, H, B, D)
+
+    def _drop_new(self, fresh: list[Block], held: list[Block]) -> None:
+        """Take back blocks just stored whose KV never reached storage (children first)."""
+        for block in reversed(fresh):
+            self._reference(block, -1)
+            held.remove(block)
+            self._remove(block)
+
+    def _stored(
+        self, parent: Block | None, token_ids: Sequence[int], salt: str | None, namespace: str | None,
+        owner: str | None, visit: Any,
+    ) -> tuple[Block, bool]:
+        """The block of these tokens after `parent`, acquired: one already cached (False), or a new one
+        whose storage row the caller writes (True)."""
         tokens = tuple(token_ids)
         if len(tokens) != self.block_size:
             raise ValueError(f"a block holds exactly {self.block_size} tokens, got {len(tokens)}")
@@ -290,7 +361,7 @@ class BlockPool:
         existing = self._index.get(key)
         if self._verified(existing, tokens, parent, salt, namespace):
             self.acquire([existing], hit=False, visit=visit)
-            return existing
+            return existing, False
         if existing is not None:
             raise BlockCollision(f"hash of block after {parent and parent.block_id} collides with block {existing.block_id}")
         if parent is not None:
@@ -300,9 +371,6 @@ class BlockPool:
         finally:
             if parent is not None:
                 self._reference(parent, -1)
-        if self.key_storage is not None:
-            self.key_storage[block_id] = keys
-            self.value_storage[block_id] = values
         now = self._tick()
         block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, namespace=namespace)
         self._blocks[block_id] = block
@@ -314,7 +382,7 @@ class BlockPool:
         self.policy.touch(block, visit)
         if self.listener is not None:
             self.listener(CacheEvent("stored", key, parent.block_hash if parent else None, tokens, salt is None, owner))
-        return block
+        return block, True
 
     # --- eviction -------------------------------------------------------------------------------
 

@@ -28,9 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from agentcache.engine.blocks import Block, BlockCollision, BlockPool, CacheEvent
+from agentcache.engine.blocks import Block, BlockPool, CacheEvent
 from agentcache.engine.protocol import CacheStats
-from agentcache.errors import CapacityError
 
 __all__ = ["CacheManager", "Lease", "PrefixHit", "servable_tokens"]
 
@@ -197,23 +196,18 @@ class CacheManager:
         if storable > start:  # make room in one eviction pass for what is not cached yet
             cached = len(self.pool.match(token_ids[: storable * bs], lease.lineage, lease.namespace))
             self.pool.reserve(storable - max(cached, start))
+        if storable <= start:
+            return 0
         parent = lease.hit.blocks[-1] if lease.hit.blocks else None
-        stored = 0
-        for index in range(start, storable):
-            begin, end = index * bs, (index + 1) * bs
-            approximate = approximate_from is not None and end > approximate_from
-            keys, values = kv_of(begin, end) if kv_of is not None else (None, None)
-            try:
-                block = self.pool.store(
-                    parent, token_ids[begin:end], keys, values, salt=lease.lineage if approximate else None,
-                    namespace=lease.namespace, owner=lease.owner, visit=lease.visit,
-                )
-            except (CapacityError, BlockCollision):
-                self.pool.stats.store_skipped += storable - index
-                break
-            lease.held.append(block)
-            parent = block
-            stored += 1
+        salts = [lease.lineage if approximate_from is not None and (index + 1) * bs > approximate_from else None
+                 for index in range(start, storable)]
+        keys, values = kv_of(start * bs, storable * bs) if kv_of is not None else (None, None)  # (L, H, T, D)
+        held = len(lease.held)
+        error = self.pool.store_run(parent, token_ids[start * bs : storable * bs], keys, values, salts, lease.held,
+                                    namespace=lease.namespace, owner=lease.owner, visit=lease.visit)
+        stored = len(lease.held) - held
+        if error is not None:
+            self.pool.stats.store_skipped += storable - start - stored
         return stored
 
     @_locked
