@@ -1,4 +1,5 @@
-"""Catch tensors made without naming their device, the way device mixing enters code.
+"""Audits of device discipline: tensors made without naming their device (`DeviceAudit`), and host
+reads inside work that must stay on the device (`HostReadAudit`).
 
 A tensor factory called without `device=` makes a CPU tensor. On a CPU every tensor is on the CPU,
 so such code passes every test there and fails on a GPU, the first time that tensor meets one of
@@ -27,8 +28,9 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._device
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["DeviceAudit", "FACTORIES", "audited_roots"]
+__all__ = ["DeviceAudit", "HostReadAudit", "FACTORIES", "HOST_READS", "audited_roots"]
 
 # torch functions that make a tensor from nothing or from Python data: without `device=` they make
 # it on the default device. (`*_like` and `Tensor.new_*` take their source's device: not listed.)
@@ -117,3 +119,35 @@ def _audited(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return factory
+
+
+# What makes the host wait for the device, or copies host data into device work: fine between steps,
+# fatal inside a CUDA graph's capture (and a stall in every eager step).
+HOST_READS = frozenset({
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+    torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+    torch.Tensor.masked_select, torch.masked_select, torch.unique, torch.Tensor.unique, torch.tensor,
+    torch.as_tensor,
+})
+
+
+class HostReadAudit(TorchFunctionMode):
+    """While active on this thread (`with HostReadAudit() as audit:`), counts every operation in
+    HOST_READS by "file:line name" of its caller outside torch: `audit.reads`. A step that must run
+    inside a CUDA graph is checked under it on a CPU, where no capture can fail to tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        if func in HOST_READS:
+            frame = sys._getframe(1)
+            while frame is not None and f"{_TORCH_DIR}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            where = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            self.reads[f"{where} {getattr(func, '__name__', func)}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + "/"

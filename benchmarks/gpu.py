@@ -270,9 +270,11 @@ def engine_figures(model: str, device: str, args: argparse.Namespace) -> dict:
     decode = {str(n): decode_rate(engine, n, args.decode_tokens) for n in (1, args.batch)}
     consumers = consumer_rounds(engine, args.doc_tokens, rounds=args.reps, warmup=2, out_tokens=args.out_tokens,
                                 plain_prefill=lambda ids: plain_prefill_s(engine.model, ids, engine.layout.device))
+    graphs = engine.scheduler.graphs
     return {
         "model": model,
         "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "decode_graphs": None if graphs is None else graphs.figures(),  # on CUDA: graphs captured, replays, failure
         "load_s": load_s,
         "decode_tokens_per_s": decode,
         "prefill_vs_sdpa": prefill,

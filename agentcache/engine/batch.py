@@ -71,21 +71,23 @@ class DecodeRows:
             moved.rebind(*self._row(row))
         self.members.pop()
 
-    def step_cache(self, end: int) -> "StepCache":
-        """The cache of one decode step over every member, reading keys up to `end`."""
-        n = len(self.members)
-        for row in range(n):  # what this step reads must be finite, masked or not
+    @property
+    def positions(self) -> list[int]:
+        """Where each member's next token goes, in row order."""
+        return [member.length for member in self.members]
+
+    def prepare(self, rows: int, end: int) -> None:
+        """Make rows 0..rows-1 finite up to `end`: a step reads them all, masked or not."""
+        for row in range(rows):
             if self.clean[row] < end:
                 self.keys[:, row, :, self.clean[row] : end] = 0
                 self.values[:, row, :, self.clean[row] : end] = 0
                 self.clean[row] = end
-        positions = torch.tensor([m.length for m in self.members], dtype=torch.long, device=self.device)  # (n,)
-        return StepCache(self.keys, self.values, positions, end)
 
     def advance(self) -> None:
         """After a step: every member holds one more token."""
         for row, member in enumerate(self.members):
-            member.advance(1)
+            member.advance(1, views=False)
             self.clean[row] = max(self.clean[row], member.length)
 
     def _row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,10 +115,11 @@ class DecodeRows:
 class _StepLayer(DynamicLayer):
     """One layer of a decode step: writes each row's new token at that row's position."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                 end: int) -> None:
         super().__init__()
         self._keys, self._values = keys, values  # (R, H, T, D)
-        self._rows = torch.arange(len(positions), device=positions.device)  # (n,)
+        self._rows = rows  # (n,): 0..n-1
         self._positions = positions  # (n,)
         self._end = end
         self.dtype, self.device = keys.dtype, keys.device
@@ -127,7 +130,7 @@ class _StepLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states: (n, H, 1, D), one new token per row
-        n = len(self._positions)
+        n = self._rows.shape[0]
         self._keys[self._rows, :, self._positions] = key_states[:, :, 0]  # (n, H, D)
         self._values[self._rows, :, self._positions] = value_states[:, :, 0]
         return self._keys[:n, :, : self._end], self._values[:n, :, : self._end]  # (n, H, end, D)
@@ -137,11 +140,14 @@ class _StepLayer(DynamicLayer):
 
 
 class StepCache(Cache):
-    """The HF cache of one batched decode step over the decode rows."""
+    """The HF cache of one batched decode step over rows 0..n-1 of the decode rows: row b's new token
+    goes to `positions[b]`, and the step reads keys 0..end-1 of every row. Made of tensor operations
+    only (no host reads), so a step can be captured in a CUDA graph."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int) -> None:
-        self.positions = positions  # (n,): where each row's new token goes
-        layers = [_StepLayer(keys[i], values[i], positions, end) for i in range(keys.shape[0])]
+        self.positions = positions  # (n,)
+        rows = torch.arange(positions.shape[0], device=positions.device)  # (n,)
+        layers = [_StepLayer(keys[i], values[i], rows, positions, end) for i in range(keys.shape[0])]
         super().__init__(layers=layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

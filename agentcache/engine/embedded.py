@@ -61,6 +61,7 @@ class EngineConfig:
     max_batch: int = 8  # requests decoded together; 1 runs one request at a time (the serialized baseline)
     warmup_chunk: int = 64  # prefill tokens per pass of a warm-up: what a real arrival may wait behind
     threads: int | None = None  # torch threads for the engine's steps; None: see `choose_threads`
+    cuda_graphs: bool = True  # on CUDA, decode steps replayed from captured graphs (engine.graphs)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "pool_bytes", "prefill_chunk", "max_batch", "warmup_chunk"):
@@ -71,6 +72,8 @@ class EngineConfig:
             raise InputError(f"EngineConfig.threads must be a positive int or None, got {self.threads!r}")
         if self.pool_blocks is not None and (type(self.pool_blocks) is not int or self.pool_blocks < 1):
             raise InputError(f"EngineConfig.pool_blocks must be a positive int or None, got {self.pool_blocks!r}")
+        if type(self.cuda_graphs) is not bool:
+            raise InputError(f"EngineConfig.cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         check_eviction(self.eviction, "EngineConfig.eviction")
         _check_device(self.device)
         object.__setattr__(self, "dtype", dtype_setting(self.dtype, "EngineConfig.dtype"))
@@ -184,6 +187,7 @@ class EmbeddedEngine(ModelFrontend):
             hidden_size=self.hidden_size, realign=self.realign, eos_token_ids=self.eos_token_ids,
             detokenize=self.detokenize, max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
             warmup_chunk=self.config.warmup_chunk, grammars=lambda: self.grammars,
+            decode_graphs=self.config.cuda_graphs and torch.device(self.config.device).type == "cuda",
         )
         self._loop = EngineLoop(self._step, self._crash, name=f"agentcache-engine-{self.model_name}")
 

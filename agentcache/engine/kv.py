@@ -215,11 +215,14 @@ class CallCache(Cache):
             layer._key_buffer, layer._value_buffer = keys[i], values[i]
             layer._sync()
 
-    def advance(self, num_tokens: int) -> None:
-        """Commit `num_tokens` written by the model's last forward pass."""
+    def advance(self, num_tokens: int, *, views: bool = True) -> None:
+        """Commit `num_tokens` written by the model's last forward pass. `views=False` moves the length
+        only: for a decode row's cache, which the model reads through the rows, and we through `view`
+        (the layers' views are brought up to date by the next `rebind` or `advance`)."""
         self.length += num_tokens
-        for layer in self.layers:
-            layer._sync()
+        if views:
+            for layer in self.layers:
+                layer._sync()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append KV for the next tokens: keys/values (L, H, T, D), already at the right positions."""

@@ -17,7 +17,7 @@ def position_masks(
     keys = torch.arange(end, device=queries.device)[None, None, :]  # (1, 1, end)
     position = queries[:, :, None]  # (B, T, 1)
     zero = torch.zeros((), dtype=dtype, device=queries.device)
-    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=queries.device)
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=queries.device)  # a fill, no host copy
     causal = keys <= position  # (B, T, end)
     if not layer_types:
         return torch.where(causal, zero, blocked)[:, None]

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from agentcache.engine.batch import DecodeRows
+from agentcache.engine.batch import DecodeRows, StepCache
 from agentcache.engine.kv import CallCache, KVLayout
 from agentcache.engine.masks import position_masks
 
@@ -51,12 +51,20 @@ class ModelRunner:
     def decode(self, rows: DecodeRows, token_ids: list[int]) -> torch.Tensor:
         """One decode step: row b's next token is `token_ids[b]`, at the row's own position. Returns
         logits (n, V); every row holds one more token afterwards."""
-        positions = [member.length for member in rows.members]
+        positions = rows.positions
         end = max(positions) + 1
-        step = rows.step_cache(end)
-        where = step.positions[:, None]  # (n, 1)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=where.device)[:, None]  # (n, 1)
-        out = self.model(input_ids=ids, position_ids=where, attention_mask=self.masks(where, end),
-                         past_key_values=step, use_cache=True, logits_to_keep=1)
+        rows.prepare(len(positions), end)
+        inputs = torch.tensor([token_ids, positions], dtype=torch.long, device=rows.device)  # (2, n)
+        logits = self.step(rows.keys, rows.values, inputs[0], inputs[1], end)
         rows.advance()
+        return logits
+
+    def step(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+             end: int) -> torch.Tensor:
+        """One decode step of rows 0..n-1 of the decode buffers keys/values (L, R, H, T, D): row b's
+        token ids[b] (n,) goes to positions[b] (n,), attending to keys 0..end-1 up to its own position.
+        Returns logits (n, V) float32. Tensor work only: a CUDA graph can capture it."""
+        where = positions[:, None]  # (n, 1)
+        out = self.model(input_ids=ids[:, None], position_ids=where, attention_mask=self.masks(where, end),
+                         past_key_values=StepCache(keys, values, positions, end), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()  # (n, V)

@@ -32,6 +32,7 @@ from agentcache.engine.batch import DecodeRows
 from agentcache.engine.cache_manager import CacheManager, Lease
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
 from agentcache.engine.grammar import Grammars, GrammarState, mask_rows
+from agentcache.engine.graphs import DecodeGraphs
 from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import Job
 from agentcache.engine.prefill import PrefillLayout, prefill_layout
@@ -101,6 +102,7 @@ class BatchScheduler:
         model_key: bytes, hidden_size: int, realign: Callable[[SegmentKV, int], SegmentKV],
         eos_token_ids: frozenset[int], detokenize: Callable[[Sequence[int]], str],
         max_batch: int, prefill_chunk: int, warmup_chunk: int, grammars: Callable[[], Grammars],
+        decode_graphs: bool = False,
     ) -> None:
         self.cache = cache
         self.runner = runner
@@ -119,6 +121,8 @@ class BatchScheduler:
         self.waiting: list[Job] = []
         self.live: list[_Live] = []
         self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
+        # decode steps replayed from CUDA graphs (graphs.py); None: every step runs eagerly
+        self.graphs = DecodeGraphs(runner.step, self.rows, capture=True) if decode_graphs else None
         self.batched_tokens = 0  # tokens decoded in steps of more than one request
         # decode steps with a constrained row: their count, their time (forward, masks, choice) and,
         # of that, the grammar's (masking the logits, advancing the matchers)
@@ -394,6 +398,8 @@ class BatchScheduler:
         tokens = [live.generated[-1] for live in ordered]
         asking = [(row, live) for row, live in enumerate(ordered) if live.hidden is not None]
         if not asking:
+            if self.graphs is not None:
+                return self.graphs.decode(tokens)
             return self.runner.decode(self.rows, tokens)
         layer = asking[0][1].hidden.layer
         positions = [live.cache.length for live in ordered]  # where each row's token goes
