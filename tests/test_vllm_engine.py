@@ -350,3 +350,26 @@ def test_serving_bench_quick_runs_on_vllm_without_the_selective_baselines():
         assert set(point["strategies"]) == {"nonshared", "fullshared", "kvcomm", "kvcmas", "kvcmas_nonchained"}
         assert all(row["errors"] == [] and row["requests"] == 12 for row in point["strategies"].values())
     assert result["p50_speedup_kvcmas_vs_nonshared"] > 0 and result["p50_ratio_kvcmas_vs_cacheblend"] is None
+
+
+def test_bf16_on_vllm_reuses_and_answers_like_bf16_nonshared():
+    """vLLM in bf16 (VLLMConfig.dtype): its KV layout is bf16, the self-check passes at bf16's own
+    rounding, the KV layout of its cache-write op is learned exactly in bf16, and KVCMAS reuses with
+    NonShared's tokens."""
+    from agentcache import Runtime, RuntimeConfig
+    from agentcache.tasks import FourAgentWorkflow, fact_problem
+
+    engine = vllm_engine("tiny-llama", pool_blocks=256, dtype="bfloat16", instance="bf16")
+    assert engine.layout.dtype == torch.bfloat16 and engine.config.dtype == "bfloat16"
+    kvcmas = Runtime(engine, strategy="kvcmas", config=RuntimeConfig(learn="after_call"))
+    assert kvcmas.strategy.name == "kvcmas", kvcmas.refusal
+    dense = Runtime(engine.fresh(), strategy="nonshared")
+    workflow = FourAgentWorkflow(role_tokens=6, final_tokens=4)
+    same = []
+    for seed in range(4):
+        problem = fact_problem(seed, records=4)
+        same += [a.token_ids == b.token_ids for a, b in zip(workflow.run(kvcmas.run, problem),
+                                                            workflow.run(dense.run, problem))]
+    summary = kvcmas.summary()
+    assert summary["reuse_ratio"] > 0 and not summary["faults"]
+    assert sum(same) / len(same) >= 0.9

