@@ -48,8 +48,8 @@ def _workflows(engine, strategy, problems: int, anchors_dir: str | None = None) 
 
 
 def test_the_audit_catches_the_correction_that_crashed_on_cuda(monkeypatch):
-    """The H200 bug, put back: interpolated_correction made its distance tensor on the CPU. The
-    audit names the line, and the same workflow with the fixed function is clean."""
+    """The H200 bug, put back: the token-wise weights' distance tensor made on the CPU. The audit
+    names the line, and the same workflow with the fixed function is clean."""
     import agentcache.correction.matching as matching
 
     source = Path(matching.__file__).read_text()
@@ -64,10 +64,10 @@ def test_the_audit_catches_the_correction_that_crashed_on_cuda(monkeypatch):
     assert runtime.summary()["ph_decisions"].get("corrected", 0) > 0  # the correction ran
     assert fixed.clean, fixed.report()
 
-    monkeypatch.setattr("agentcache.correction.corrector.interpolated_correction", namespace["interpolated_correction"])
+    monkeypatch.setattr("agentcache.correction.corrector.interpolation_weights", namespace["interpolation_weights"])
     with DeviceAudit() as broken:
         _workflows(_engine("tiny-llama", "float32"), gate_open, problems=3)
-    assert any("correction/matching.py" in where and "interpolated_correction(torch.full)" in where
+    assert any("correction/matching.py" in where and "interpolation_weights(torch.full)" in where
                for where in broken.violations), broken.report()
 
 

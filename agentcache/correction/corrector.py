@@ -33,7 +33,8 @@ from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.calibration import CALIBRATION_WINDOW, ReuseController
 from agentcache.correction.costs import CostModel
 from agentcache.correction.lowrank import as_rows, factorize, from_rows
-from agentcache.correction.matching import gate_distances, gate_weights, interpolated_correction, normalized_entropy
+from agentcache.correction.matching import (add_interpolated_correction, gate_distances, gate_weights,
+                                            interpolation_weights, normalized_entropy)
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.sources import SourceFinder
 from agentcache.correction.store import Materialization, SegmentStore
@@ -470,14 +471,9 @@ class Corrector(SharedContextStrategy):
             return PHDecision("fallback", reason=refusal, source=source)
         if not self._source_is_sound(source):
             return PHDecision("fallback", reason="bad_source")
-        try:
-            aligned = self.engine.realign(source.kv.slice(0, shared), 0)
-        except Exception:
-            self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
-            raise
-        if method == "raw":
-            return PHDecision("reused", source=source, covered=shared, inject=aligned)
-        return self._reuse(scope, agent, slot, source, shared, aligned, start)
+        if method == "raw":  # at the source's positions: the engine moves it where the call reads it
+            return PHDecision("reused", source=source, covered=shared, inject=source.kv.slice(0, shared))
+        return self._reuse(scope, agent, slot, source, shared, start)
 
     def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization,
                  after: int = 0) -> tuple[str | None, str | None]:
@@ -495,11 +491,17 @@ class Corrector(SharedContextStrategy):
         return None, None
 
     def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
-               aligned: SegmentKV, start: int) -> PHDecision:
-        """The decision for a sound source whose first `shared` tokens, re-aligned to canonical
-        positions, are `aligned`: raw reuse (FullShared) or a correction."""
+               start: int) -> PHDecision:
+        """The decision for a sound source whose first `shared` tokens the call reads: raw reuse
+        (FullShared; the engine moves the keys, one rotation), or a correction of the source
+        re-aligned to canonical positions, where the anchors are."""
         if not self.strategy.correct:
-            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+            return PHDecision("reused", source=source, covered=shared, inject=source.kv.slice(0, shared))
+        try:
+            aligned = self.engine.realign(source.kv.slice(0, shared), 0)
+        except Exception:
+            self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
+            raise
         try:
             return self._correct(scope, agent, slot, source, aligned, start)
         except Exception:
@@ -568,15 +570,13 @@ class Corrector(SharedContextStrategy):
         layout = self.engine.layout
         corrected = []
         for part in ("keys", "values"):
-            rows = as_rows(getattr(aligned, part)).float().clone()  # (L, S, F); a copy: the source stays intact
-            delta, _ = interpolated_correction(
-                rows[1:, :k],  # rows past k stay the aligned source: no extrapolation past the anchors
-                [getattr(a, part) for a in anchors],
-                [getattr(a.corrections[agent], part) for a in anchors],
-                TOKEN_WEIGHT_TEMPERATURE,
-                base_layer_offset=1,
-            )
-            rows[1:, :k] += delta  # layer 0 depends on position only: exact after alignment
+            rows = as_rows(getattr(aligned, part)).to(torch.float32, copy=True)  # (L, S, F); the source stays intact
+            # layer 0 depends on position only (exact after alignment); rows past k stay the aligned
+            # source: no extrapolation past the anchors
+            target = rows[1:, :k]
+            weights, reach = interpolation_weights(target, [getattr(a, part) for a in anchors],
+                                                   TOKEN_WEIGHT_TEMPERATURE, base_layer_offset=1)
+            add_interpolated_correction(target, weights, [getattr(a.corrections[agent], part) for a in anchors], reach)
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
         if not all_finite(*corrected):
             return None

@@ -12,7 +12,8 @@ import torch
 
 from agentcache.correction.lowrank import Factors
 
-__all__ = ["gate_distances", "normalized_entropy", "gate_weights", "interpolated_correction", "GATE_SCALES"]
+__all__ = ["gate_distances", "normalized_entropy", "gate_weights", "interpolated_correction", "interpolation_weights",
+           "add_interpolated_correction", "GATE_SCALES"]
 
 
 def gate_distances(source_values: torch.Tensor, anchors: list[Factors], k: int) -> torch.Tensor:
@@ -21,7 +22,7 @@ def gate_distances(source_values: torch.Tensor, anchors: list[Factors], k: int) 
     source_values: (L, ≥k, F); anchors: base value factors covering at least k rows. Returns (n,).
     """
     src = source_values[:, :k]  # (L, k, F)
-    return torch.stack([(src - base.rows(k)).pow(2).sum().sqrt() for base in anchors])
+    return torch.stack([torch.linalg.vector_norm(base.rows(k).sub_(src)) for base in anchors])  # rows: a new tensor
 
 
 GATE_SCALES = ("nearest", "absolute")
@@ -60,19 +61,39 @@ def interpolated_correction(
 
     source: (L, S, F) source rows of the layers being corrected; deltas: per anchor, correction
     factors of those layers; bases: base factors, whose layer ℓ + `base_layer_offset` pairs with
-    source layer ℓ. w_v[ℓ, t] = softmax over the anchors covering
-    token t of −mean|source[ℓ, t] − base_v[ℓ, t]| / T. Tokens no anchor covers get no correction
-    (no extrapolation). Works anchor by anchor, every layer at once. Returns (Δ̂ (L, S, F), tokens corrected).
+    source layer ℓ. w_v[ℓ, t] = softmax over the anchors covering token t of
+    −mean|source[ℓ, t] − base_v[ℓ, t]| / T (`interpolation_weights`). Tokens no anchor covers get no
+    correction (no extrapolation). Returns (Δ̂ (L, S, F), tokens corrected).
     """
+    weights, reach = interpolation_weights(source, bases, temperature, base_layer_offset)
+    correction = torch.zeros_like(source)
+    add_interpolated_correction(correction, weights, deltas, reach)
+    return correction, weights.shape[2]
+
+
+def interpolation_weights(source: torch.Tensor, bases: list[Factors], temperature: float,
+                          base_layer_offset: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """The token-wise weights of Eq. 8 and how many rows each anchor covers: weights (n, L, covered),
+    softmax over the anchors of −mean|source − base_v| / T, each anchor's rows rebuilt once for every
+    layer; source (L, S, F)."""
     layers, length, features = source.shape
     covered = min(length, max(base.length for base in bases))
     paired = slice(base_layer_offset, base_layer_offset + layers)  # the base layers that pair with the source's
     reach = [min(covered, base.length) for base in bases]
     distance = torch.full((len(bases), layers, covered), math.inf, dtype=source.dtype, device=source.device)
     for v, (base, rows) in enumerate(zip(bases, reach)):
-        distance[v, :, :rows] = (source[:, :rows] - base.rows(rows, paired)).abs().mean(-1)  # (L, rows)
-    weights = torch.softmax(-distance / temperature, dim=0)  # (n, L, covered); every token has ≥1 anchor
-    correction = torch.zeros_like(source)
+        rebuilt = base.rows(rows, paired)  # (L, rows, F), a new tensor: worked in place
+        distance[v, :, :rows] = rebuilt.sub_(source[:, :rows]).abs_().mean(-1)  # (L, rows)
+    return torch.softmax(-distance / temperature, dim=0), reach  # every token has at least one anchor
+
+
+def add_interpolated_correction(target: torch.Tensor, weights: torch.Tensor, deltas: list[Factors],
+                                reach: list[int]) -> None:
+    """target (L, ≥covered, F) += Σ_v w_v Δ_v, in place (the weights were read from it before)."""
     for v, (delta, rows) in enumerate(zip(deltas, reach)):
-        correction[:, :rows] += weights[v, :, :rows, None] * delta.rows(rows)  # (L, rows, F)
-    return correction, covered
+        weight = weights[v, :, :rows, None]  # (L, rows, 1)
+        part = target[:, :rows]
+        if delta.b is None:
+            part.addcmul_(weight, delta.a[:, :rows])  # dense: Δ rows (L, rows, F)
+        else:  # Σ_t w·(A B)[t] = (w·A) B: the weights scale A's rows, and Δ is never rebuilt
+            part.baddbmm_(weight * delta.a[:, :rows], delta.b)

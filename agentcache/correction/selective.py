@@ -48,21 +48,22 @@ class SelectiveCorrector(Corrector):
         self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
 
     def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
-               aligned: SegmentKV, start: int) -> PHDecision:
-        """Reuse the aligned source, the engine rebuilding 1 − ρ of it."""
+               start: int) -> PHDecision:
+        """Reuse the source (the engine moves it where the call reads it), the engine rebuilding 1 − ρ of it."""
+        kv = source.kv.slice(0, shared)
         s = self.strategy
         if s.recompute == "tokens":
-            return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+            return PHDecision("recomputed", source=source, covered=shared, inject=kv,
                               detail=token_plan(s.rho, s.probe_layer))
         profile = self._profile(scope)
         if not profile.ready:
             return PHDecision("fallback", reason="profiling", source=source)
         if layer_count(s.rho, profile.num_layers) == 0:
-            return PHDecision("reused", source=source, covered=shared, inject=aligned)
+            return PHDecision("reused", source=source, covered=shared, inject=kv)
         hidden = source.hidden
         if hidden is None or hidden.shape[0] < shared:
             return PHDecision("fallback", reason="no_hidden_states", source=source)
-        return PHDecision("recomputed", source=source, covered=shared, inject=aligned,
+        return PHDecision("recomputed", source=source, covered=shared, inject=kv,
                           detail=profile.recompute(s.rho, hidden[:shared]))
 
     def _injected(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:

@@ -49,11 +49,12 @@ class KVLayout:
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every number in `tensors` (on one device) is finite, in one pass each and one read on the
-    host: NaN and ±Inf survive a float32 sum, and finite KV sums far below float32's range (a sum that
-    overflowed would only count as not finite: a fallback, never a wrong cache)."""
+    host: NaN and ±Inf survive a sum, and finite KV sums far below the range of float32 and bf16 (an
+    fp16 tensor is summed in float32; a sum that overflowed would only count as not finite: a
+    fallback, never a wrong cache). A sum in the tensor's own dtype is the fast one on a CPU."""
     if not tensors:
         return True
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])  # (n,)
+    sums = torch.stack([t.sum(dtype=torch.float32 if t.dtype == torch.float16 else None).float() for t in tensors])
     return bool(torch.isfinite(sums).all())
 
 

@@ -33,13 +33,16 @@ def rotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch
     """
     if delta == 0:
         return keys.clone()
-    work = compute_dtype(keys.dtype)
+    work = keys.to(compute_dtype(keys.dtype))  # (L, H, T, D): a copy only when converted
     half = keys.shape[-1] // 2
     angle = float(delta) * inv_freq  # (L, D/2), float64 so large deltas keep their precision
-    cos = angle.cos().to(work)[:, None, None, :]  # (L, 1, 1, D/2)
-    sin = angle.sin().to(work)[:, None, None, :]
-    first, second = keys[..., :half].to(work), keys[..., half:].to(work)  # (L, H, T, D/2) each
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(keys.dtype)
+    cos = angle.cos().to(work.dtype)[:, None, None, :]  # (L, 1, 1, D/2)
+    sin = angle.sin().to(work.dtype)[:, None, None, :]
+    first, second = work[..., :half], work[..., half:]  # (L, H, T, D/2) each
+    out = torch.empty_like(work)
+    torch.mul(first, cos, out=out[..., :half]).addcmul_(second, sin, value=-1)  # x₁cos − x₂sin
+    torch.mul(second, cos, out=out[..., half:]).addcmul_(first, sin)  # x₂cos + x₁sin
+    return out.to(keys.dtype)
 
 
 @dataclass(frozen=True)
