@@ -98,6 +98,8 @@ def correctness(check_model_name: str, device: str, problems: int) -> dict:
             got, want = workflow.run(kvcmas.run, problem), workflow.run(dense.run, problem)
             same += [a.token_ids == b.token_ids for a, b in zip(got, want)]
         summary = kvcmas.summary()
+        for runtime in (kvcmas, dense):
+            runtime.close()  # no learning left running beside the timings that follow
     return {
         "check_model": check_model_name,
         "bf16_self_check_passed": report.passed,
@@ -231,6 +233,10 @@ def consumer_rounds(engine: EmbeddedEngine, doc_tokens: int, rounds: int, warmup
             if name == "nonshared" and plain_prefill is not None:
                 ratio_to_plain.append(consumer.ttft_s / plain_prefill(consumer.prompt_ids))
     nonshared = _median(ttft["nonshared"])
+    summaries = {n: {k: rt.summary()[k] for k in ("strategy", "reuse_ratio", "faults", "anchors")}
+                 for n, rt in runtimes.items()}
+    for runtime in runtimes.values():
+        runtime.close()  # no learning left running beside the timings that follow
     return {
         "doc_tokens": _doc_length(runtimes["nonshared"]),
         "consumer_ttft_s": {n: _median(v) for n, v in ttft.items()},
@@ -241,8 +247,7 @@ def consumer_rounds(engine: EmbeddedEngine, doc_tokens: int, rounds: int, warmup
         "prefill_tokens_per_workflow": {n: statistics.fmean(v) for n, v in prefill.items()},
         "consumer_decisions": {n: dict(_count(v)) for n, v in decisions.items()},
         "nonshared_consumer_ttft_over_prefill": _median(ratio_to_plain),
-        "summaries": {n: {k: rt.summary()[k] for k in ("strategy", "reuse_ratio", "faults", "anchors")}
-                      for n, rt in runtimes.items()},
+        "summaries": summaries,
     }
 
 
