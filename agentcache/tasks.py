@@ -17,7 +17,7 @@ from agentcache.engine.protocol import SamplingParams
 from agentcache.metrics import CallResult
 from agentcache.segments import AgentCall, Segment, output_slot
 
-__all__ = ["Problem", "fact_problem", "document_problem", "arithmetic_problem", "gsm8k_style_problem", "first_number", "FourAgentWorkflow"]
+__all__ = ["Problem", "fact_problem", "document_problem", "filler_tokens", "arithmetic_problem", "gsm8k_style_problem", "first_number", "FourAgentWorkflow"]
 
 _NAMES = ["Alice", "Bruno", "Chen", "Dana", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kofi", "Lena",
           "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Yara"]
@@ -66,6 +66,16 @@ def document_problem(seed: int, people: int = 60) -> Problem:
     text = ("Staff directory\n\n" + "\n".join(paragraphs)
             + f"\n\nQuestion: What is the locker code of {full_names[target]}?")
     return Problem(text, codes[target], f"the locker code of {full_names[target]} is")
+
+
+def filler_tokens(tokenize: Callable[..., list[int]], tokens: int, salt: int) -> list[int]:
+    """Exactly `tokens` token ids of filler prose, BOS first (`tokenize(text, bos=True)`), varied by
+    `salt`: timing prompts with no prefix in common between salts."""
+    words = "the travel planner reads every hotel review and each agent adds its notes".split()
+    ids = tokenize(" ".join(words[(i * 7 + salt) % len(words)] for i in range(tokens)), bos=True)
+    if len(ids) < tokens:
+        raise ValueError(f"filler text gave {len(ids)} tokens, wanted {tokens}")
+    return ids[:tokens]
 
 
 def directory_people(tokenize: Callable[[str], list[int]], tokens: int, minimum: int = 1) -> int:

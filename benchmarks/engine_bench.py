@@ -25,15 +25,11 @@ import torch
 
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan, Step
 from agentcache.models import DEFAULT_MODEL
+from agentcache.tasks import filler_tokens
 
 
 def prompt_of(engine: EmbeddedEngine, num_tokens: int, salt: int) -> list[int]:
-    words = "the travel planner reads every hotel review and each agent adds its notes".split()
-    text = " ".join(words[(i * 7 + salt) % len(words)] for i in range(num_tokens))
-    ids = engine.tokenize(text, bos=True)
-    if len(ids) < num_tokens:
-        raise ValueError(f"filler text gave {len(ids)} tokens, wanted {num_tokens}")
-    return ids[:num_tokens]
+    return filler_tokens(engine.tokenize, num_tokens, salt)
 
 
 def time_engine_prefill(engine: EmbeddedEngine, ids: list[int]) -> float:

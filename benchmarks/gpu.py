@@ -49,11 +49,9 @@ from agentcache import Runtime, RuntimeConfig
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.device_audit import DeviceAudit
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.engine.precision import dtype_name
-from agentcache.metrics import CallResult
 from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import check_model
-from agentcache.tasks import FourAgentWorkflow, directory_people, document_problem, fact_problem
+from agentcache.tasks import FourAgentWorkflow, directory_people, document_problem, fact_problem, filler_tokens
 
 from _report import emit, fill_defaults  # benchmarks/, the script's own folder
 
@@ -141,15 +139,6 @@ def host_overhead(check_model_name: str, device: str, plan_tokens: int, decode_t
 # --- the engine's figures ------------------------------------------------------------------------
 
 
-def _prompt(engine: EmbeddedEngine, tokens: int, salt: int) -> list[int]:
-    words = "the travel planner reads every hotel review and each agent adds its notes".split()
-    text = " ".join(words[(i * 7 + salt) % len(words)] for i in range(tokens))
-    ids = engine.tokenize(text, bos=True)
-    if len(ids) < tokens:
-        raise ValueError(f"filler text gave {len(ids)} tokens, wanted {tokens}")
-    return ids[:tokens]
-
-
 def plain_prefill_s(model: torch.nn.Module, ids: list[int], device: torch.device) -> float:
     """A plain HF forward (SDPA, its own DynamicCache) of `ids`, logits for the last position only."""
     tensor = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
@@ -164,7 +153,7 @@ def plain_prefill_s(model: torch.nn.Module, ids: list[int], device: torch.device
 def prefill_vs_sdpa(engine: EmbeddedEngine, tokens: int, reps: int) -> dict:
     engine_s, plain_s = [], []
     for rep in range(reps):
-        ids = _prompt(engine, tokens, rep)
+        ids = filler_tokens(engine.tokenize, tokens, rep)
         request = ExecRequest([SegmentPlan("p", ids, Step.DENSE)], SamplingParams(max_tokens=1))
         runs: list[Callable[[], None]] = [
             lambda: engine_s.append(_timed(lambda: engine.execute(request))),
@@ -270,7 +259,7 @@ def engine_figures(model: str, device: str, args: argparse.Namespace) -> dict:
                                                 prefill_chunk=max(args.prefill_tokens)))
     load_s = time.perf_counter() - started
     _decode_ms_per_step(engine, 4, 1)  # first-call allocations
-    plain_prefill_s(engine.model, _prompt(engine, 64, 99), engine.layout.device)
+    plain_prefill_s(engine.model, filler_tokens(engine.tokenize, 64, 99), engine.layout.device)
     prefill = [prefill_vs_sdpa(engine, tokens, args.reps) for tokens in args.prefill_tokens]
     decode = {str(n): decode_rate(engine, n, args.decode_tokens) for n in (1, args.batch)}
     consumers = consumer_rounds(engine, args.doc_tokens, rounds=args.reps, warmup=2, out_tokens=args.out_tokens,

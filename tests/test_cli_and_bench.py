@@ -149,6 +149,18 @@ def test_readme_engine_snippet_runs(tmp_path):
     assert namespace["result"].segments[1].kv.length == namespace["query_kv"].length > 0
 
 
+def test_readme_gpu_snippet_runs(tmp_path):
+    """The GPU snippet, on this machine's device: a model by path would be a real one; tiny-llama here."""
+    import torch
+
+    snippet = _readme_snippet('EngineConfig(device="cuda")').replace('"path/to/hf-model"', '"tiny-llama"')
+    if not torch.cuda.is_available():
+        snippet = snippet.replace('device="cuda"', 'device="cpu"')
+    namespace = _run_snippet(snippet, tmp_path)
+    assert namespace["runtime"].strategy.name == "kvcmas"
+    assert namespace["engine"].layout.dtype == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+
+
 def test_readme_runtime_snippet_runs(tmp_path):
     namespace = _run_snippet(_readme_snippet("rt.output_segment"), tmp_path)
     final, rt = namespace["final"], namespace["rt"]
