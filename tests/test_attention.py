@@ -69,3 +69,22 @@ def test_a_pass_with_fewer_keys_than_queries_is_refused():
     module = torch.nn.Module()
     with pytest.raises(ValueError, match="5 queries over 3 keys"):
         attention.causal_attention(module, query, key, key, None)
+
+
+def test_a_padding_mask_from_the_caller_is_honoured():
+    """A model an engine took still serves its owner's padded batches: left padding and causality
+    together, in full and sliding-window layers, as HF's SDPA path computes them."""
+    for preset in ("tiny-llama", "tiny-gemma3"):
+        model = load_model(preset).model
+        torch.manual_seed(1)
+        ids = torch.randint(3, 250, (2, 24))
+        padding = torch.ones(2, 24, dtype=torch.long)
+        padding[1, :9] = 0  # the second row is left-padded
+        got_want = []
+        for implementation in ("sdpa", attention.ATTENTION):
+            model.config._attn_implementation = implementation
+            with torch.inference_mode():
+                got_want.append(model(input_ids=ids, attention_mask=padding).logits)
+        got, want = got_want[1], got_want[0]
+        assert torch.allclose(got[:, -1], want[:, -1], atol=1e-5), preset  # the rows' last tokens, padding aside
+        assert torch.allclose(got[1, 9:], want[1, 9:], atol=1e-5)

@@ -6,9 +6,10 @@ builds that mask as a (T, S) tensor on every pass that follows a prefix hit, and
 keeps SDPA off its fused causal kernels: on a 2-core CPU a 4K-token prefill after a 32-token hit
 took 2.5x as long as the same prefill from position 0.
 
-Registered as the attention implementation `agentcache_sdpa`, under which HF builds no masks at
-all (it has no mask function of that name). This function then attends:
-- with the mask a pass gives explicitly (the engine's scattered and decode passes): as given;
+Registered as the attention implementation `agentcache_sdpa`, with a mask function that builds no
+mask unless a caller's padding mask or a model's own mask pattern asks for one (then HF's SDPA mask:
+a caller's padded batch on a model an engine took is computed as before). The attention then attends:
+- with the mask a pass gives (the engine's scattered and decode passes, a padded batch): as given;
 - in a sliding-window layer whose keys reach past the window: a window mask built here;
 - otherwise causally, lower-right aligned: `is_causal` when the queries are all the keys; with
   the queries placed after as many zero rows as there are cached keys when those are at most
@@ -24,8 +25,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION", "causal_attention", "use_engine_attention"]
+__all__ = ["ATTENTION", "causal_attention", "implied_mask", "use_engine_attention"]
 
 ATTENTION = "agentcache_sdpa"
 PAD_LIMIT = 4  # pad the queries while cached keys are at most this many times the new ones
@@ -36,9 +38,9 @@ def causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query (B, Hq, T, D); key, value (B, Hkv, S, D). Returns (B, T, Hq, D) as HF's attention functions do."""
     kwargs.pop("is_causal", None)
+    new, seen = query.shape[2], key.shape[2]
     if attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=False, **kwargs)
-    new, seen = query.shape[2], key.shape[2]
     cached = seen - new
     if cached < 0:
         raise ValueError(f"{new} queries over {seen} keys: an unmasked pass puts its tokens after the cached ones")
@@ -66,7 +68,18 @@ def _lower_right(new: int, seen: int, device: torch.device, window: int | None =
     return allowed[None, None]
 
 
+def implied_mask(*args: Any, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+                 **kwargs: Any) -> torch.Tensor | None:
+    """The mask HF hands `causal_attention`: none for a plain causal pass (the attention implies it);
+    HF's SDPA mask when the caller padded the batch or the model overlays a pattern of its own (HF
+    then forbids the causal shortcut)."""
+    if attention_mask is None and allow_is_causal_skip:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, causal_attention)
+AttentionMaskInterface.register(ATTENTION, implied_mask)
 
 
 def use_engine_attention(model: torch.nn.Module) -> None:
