@@ -143,7 +143,7 @@ class HostReadAudit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         if func in HOST_READS:
             frame = sys._getframe(1)
-            while frame is not None and f"{_TORCH_DIR}" in frame.f_code.co_filename:
+            while frame is not None and _TORCH_DIR in frame.f_code.co_filename:
                 frame = frame.f_back
             where = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
             self.reads[f"{where} {getattr(func, '__name__', func)}"] += 1

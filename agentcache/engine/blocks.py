@@ -306,7 +306,7 @@ class BlockPool:
         dropped again."""
         bs = self.block_size
         fresh: list[Block] = []  # blocks new to the pool (a suffix of the run: a new block's children are new)
-        first_fresh = 0
+        stored = 0
         try:
             for i, salt in enumerate(salts):
                 try:
@@ -315,15 +315,15 @@ class BlockPool:
                 except (CapacityError, BlockCollision) as exc:
                     return exc
                 held.append(block)
+                stored += 1
                 if created:
-                    first_fresh = first_fresh if fresh else i
                     fresh.append(block)
                 parent = block
             return None
         finally:
             if fresh and self.key_storage is not None:
                 try:
-                    self._write(first_fresh, [b.block_id for b in fresh], keys, values)
+                    self._write(stored - len(fresh), [b.block_id for b in fresh], keys, values)
                 except BaseException:
                     self._drop_new(fresh, held)
                     raise

@@ -43,9 +43,7 @@ def layout_of(model: torch.nn.Module, first_token: int | None = None) -> KVLayou
     with torch.inference_mode():
         out = model(input_ids=torch.full((1, 1), token, dtype=torch.long, device=model.device), past_key_values=probe,
                     use_cache=True)
-    finite = bool(torch.isfinite(out.logits).all()) and all(
-        bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()) for layer in probe.layers)
-    if not finite:
+    if not all_finite(out.logits, *(t for layer in probe.layers for t in (layer.keys, layer.values))):
         dtype = next(model.parameters()).dtype
         raise ModelLoadError(
             f"model type '{config.model_type}' computes NaN or Inf in {dtype} (its activations overflow this "

@@ -44,7 +44,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -61,10 +61,6 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices are one (`cuda` is the current CUDA device, taken as index 0)."""
     return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 @dataclass(frozen=True)
