@@ -43,20 +43,14 @@ DEMO_SETTINGS = {
 }
 
 
-def _samples() -> None:
-    """Make the repository's `samples` package importable (the demo runs a LangGraph sample), and
-    check that LangGraph is installed. Core never imports a framework; the samples do."""
-    root = Path(__file__).resolve().parents[1]
-    if not all((root / "samples" / name).is_dir() for name in DEMO_SAMPLES):
-        raise CommandError(f"this command runs the samples of a source checkout; none found at {root / 'samples'} "
-                           "(git clone the repository and run scripts/demo.sh)")
+def _check_langgraph() -> None:
+    """Check that LangGraph is installed: the demo and `trace record` run a LangGraph sample of
+    `agentcache_samples` (a package beside core: core never imports a framework; the samples do)."""
     try:
         import langgraph  # noqa: F401
     except ImportError:
         raise CommandError("this command runs the LangGraph sample: install the extra with "
-                           "pip install -e '.[langgraph]' (scripts/setup.sh does)") from None
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+                           "pip install 'agentcache[langgraph]' (scripts/setup.sh does)") from None
 
 
 def _check_model(model: str) -> None:
@@ -72,7 +66,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import importlib
 
     _check_model(args.model)
-    sample = importlib.import_module(f"samples.{args.sample}.run")
+    sample = importlib.import_module(f"agentcache_samples.{args.sample}.run")
     print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} ({args.engine} engine) under "
           f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
     return sample.run_and_report(args, "demo" if args.sample == "document_team" else f"demo_{args.sample}")
@@ -128,14 +122,14 @@ def _cmd_trace_record(args: argparse.Namespace) -> int:
     """Run the GSM8K swarm with a trace recorder on the runtime and save what it ran."""
     _check_output_file(args.out)
     _check_model(args.model)
-    _samples()
+    _check_langgraph()
     from tqdm import tqdm
 
     from agentcache import Runtime
     from agentcache.scout import TraceRecorder
     from agentcache.tasks import gsm8k_style_problem
     from agentcache_langgraph import AgentCacheChatModel
-    from samples.gsm8k_swarm.graph import build_swarm
+    from agentcache_samples.gsm8k_swarm.graph import build_swarm
 
     recorder = TraceRecorder({"workload": "gsm8k_swarm", "model": args.model})
     runtime = Runtime(model=args.model, strategy="nonshared", recorder=recorder)
@@ -363,8 +357,8 @@ def _add_demo(commands: argparse._SubParsersAction, demo_sample: str | None) -> 
     if demo_sample is not None:
         import importlib
 
-        _samples()
-        sample = importlib.import_module(f"samples.{demo_sample}.run")
+        _check_langgraph()
+        sample = importlib.import_module(f"agentcache_samples.{demo_sample}.run")
         sample.add_arguments(demo, **DEMO_SETTINGS[demo_sample])
     demo.set_defaults(run=_cmd_demo)
 

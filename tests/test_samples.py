@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_travel_planner_compares_every_hop_with_nonshared(tmp_path):
-    from samples.travel_planner.app import AGENTS, print_report, run_trips
+    from agentcache_samples.travel_planner.app import AGENTS, print_report, run_trips
 
     report = run_trips("tiny-llama", trips=2, agent_tokens=6, progress=False)
     agents = [hop["agent"] for hop in report["hops"]]
@@ -31,7 +31,7 @@ def test_travel_planner_compares_every_hop_with_nonshared(tmp_path):
 
 def test_samples_run_as_modules(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "samples.gsm8k_swarm", "--model", "tiny-llama", "--problems", "1",
+        [sys.executable, "-m", "agentcache_samples.gsm8k_swarm", "--model", "tiny-llama", "--problems", "1",
          "--strategies", "kvcmas", "--expert-tokens", "3", "--decision-tokens", "3", "--results", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
     assert "same answer as nonshared" in proc.stdout
@@ -41,8 +41,8 @@ def test_samples_run_as_modules(tmp_path):
 
 
 def test_document_team_shares_the_long_document_and_scores_each_strategy(tmp_path):
-    from samples.document_team.run import print_report, run_batch, stated_code
-    from samples.document_team.graph import AGENTS
+    from agentcache_samples.document_team.run import print_report, run_batch, stated_code
+    from agentcache_samples.document_team.graph import AGENTS
 
     report = run_batch("tiny-llama", documents=2, strategies=("kvcmas", "fullshared"), people=8, warmup=1,
                        note_tokens=3, answer_tokens=3, progress_bar=False)
@@ -68,7 +68,7 @@ def _result(agent: str, ttft: float, queued: float = 0.0, reused: int = 0):
 
 
 def test_figures_compare_each_call_with_the_baselines_same_call():
-    from samples._compare import figures, format_table
+    from agentcache_samples._compare import figures, format_table
 
     mine = [_result("a", 0.2, queued=0.1, reused=50), _result("b", 0.4, reused=25)]
     base = [_result("a", 0.4, queued=0.1), _result("b", 0.8)]
@@ -84,7 +84,7 @@ def test_figures_compare_each_call_with_the_baselines_same_call():
 
 
 def test_research_team_calls_its_tool_and_compares_the_readers_with_nonshared(tmp_path):
-    from samples.research_team.run import CALLS, main, run_batch
+    from agentcache_samples.research_team.run import CALLS, main, run_batch
 
     report = run_batch("tiny-qwen2-chat", questions=2, warmup=1, result_tokens=200, call_tokens=320,
                        answer_tokens=4, progress_bar=False)

@@ -16,9 +16,9 @@ from agentcache.metrics import CallResult
 from agentcache.tasks import document_problem
 from agentcache_langgraph import AgentCacheChatModel
 from agentcache.engine.choice import ENGINE_KINDS
-from samples._compare import (StrategyRuns, agent_means, answer_scores, figures, format_table, progress,
+from agentcache_samples._compare import (StrategyRuns, agent_means, answer_scores, figures, format_table, progress,
                               runtime_figures, write_report)
-from samples.document_team.graph import AGENTS, build_team
+from agentcache_samples.document_team.graph import AGENTS, build_team
 
 __all__ = ["run_batch", "add_arguments", "run_and_report", "main", "stated_code"]
 
@@ -244,7 +244,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samples.document_team", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentcache_samples.document_team", description=__doc__)
     add_arguments(parser)
     return run_and_report(parser.parse_args(argv), "document_team")
 

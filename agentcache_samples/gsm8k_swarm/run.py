@@ -14,9 +14,9 @@ from agentcache.metrics import CallResult
 from agentcache.tasks import first_number, gsm8k_style_problem
 from agentcache_langgraph import AgentCacheChatModel
 from agentcache.engine.choice import ENGINE_KINDS
-from samples._compare import StrategyRuns, agent_means, answer_scores, figures, format_table, runtime_figures, write_report
-from samples._compare import progress as progress_bar
-from samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
+from agentcache_samples._compare import StrategyRuns, agent_means, answer_scores, figures, format_table, runtime_figures, write_report
+from agentcache_samples._compare import progress as progress_bar
+from agentcache_samples.gsm8k_swarm.graph import DECISION, EXPERTS, build_swarm
 
 __all__ = ["run_batch", "add_arguments", "run_and_report", "main"]
 
@@ -174,7 +174,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samples.gsm8k_swarm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentcache_samples.gsm8k_swarm", description=__doc__)
     add_arguments(parser)
     return run_and_report(parser.parse_args(argv), "gsm8k_swarm")
 

@@ -22,7 +22,7 @@ from autogen_agentchat.teams import SelectorGroupChat
 from agentcache.engine.choice import ENGINE_KINDS
 from agentcache.metrics import CallResult
 from agentcache_autogen import AgentCacheChatCompletionClient
-from samples._compare import StrategyRuns, figures, format_table, write_report
+from agentcache_samples._compare import StrategyRuns, figures, format_table, write_report
 
 __all__ = ["AGENTS", "TRIPS", "build_team", "run_trips", "main"]
 
@@ -176,7 +176,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samples.travel_planner", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentcache_samples.travel_planner", description=__doc__)
     parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
     parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
                         help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")

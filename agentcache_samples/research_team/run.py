@@ -15,9 +15,9 @@ from langchain_core.messages import AIMessage, HumanMessage
 
 from agentcache.engine.choice import ENGINE_KINDS
 from agentcache.tasks import directory_people, document_problem
-from samples._compare import StrategyRuns, answer_scores, format_table, progress, runtime_figures, write_report
-from samples.document_team.run import stated_code
-from samples.research_team.graph import READERS, build_team
+from agentcache_samples._compare import StrategyRuns, answer_scores, format_table, progress, runtime_figures, write_report
+from agentcache_samples.document_team.run import stated_code
+from agentcache_samples.research_team.graph import READERS, build_team
 
 __all__ = ["run_batch", "main", "CALLS"]
 
@@ -155,7 +155,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samples.research_team", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentcache_samples.research_team", description=__doc__)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b",
                         help="a preset whose chat template calls tools (qwen2.5-coder-0.5b; tiny-qwen2-chat for a smoke run)")
     parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS)

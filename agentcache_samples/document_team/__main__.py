@@ -1,0 +1,5 @@
+import sys
+
+from agentcache_samples.document_team.run import main
+
+sys.exit(main())

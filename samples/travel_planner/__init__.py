@@ -1,2 +1,0 @@
-"""Travel planner (AutoGen SelectorGroupChat): planner, local guide, language and summary agents.
-`python -m samples.travel_planner` runs it under KVCMAS and NonShared and compares the hops."""

@@ -1,5 +1,0 @@
-import sys
-
-from samples.travel_planner.app import main
-
-sys.exit(main())
