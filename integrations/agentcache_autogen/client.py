@@ -77,6 +77,7 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 
+from agentcache.content import flatten_content
 from agentcache.engine.grammar import OutputConstraint
 from agentcache.engine.protocol import SamplingParams
 from agentcache.errors import InputError
@@ -500,21 +501,17 @@ def _result_text(result: Any, index: int) -> str:
 
 
 def _text_of(content: str | list[Any], index: int) -> str:
-    """A message's text; images and other parts are refused (never dropped silently)."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, FunctionCall):
-            parts.append(f"call {part.name}({part.arguments})")
-        elif isinstance(part, Image):
+    """A message's text, a list's parts one per line; images and other parts are refused (never dropped silently)."""
+
+    def read(part: Any) -> str:
+        if isinstance(part, FunctionCall):
+            return f"call {part.name}({part.arguments})"
+        if isinstance(part, Image):
             raise UnsupportedMessageError(f"message {index} contains an image: the agentcache runtime is text-only")
-        else:
-            raise UnsupportedMessageError(
-                f"message {index} contains a {type(part).__name__} part: the agentcache client maps text only")
-    return "\n".join(parts)
+        raise UnsupportedMessageError(
+            f"message {index} contains a {type(part).__name__} part: the agentcache client maps text only")
+
+    return flatten_content(content, read, separator="\n")
 
 
 def _add(a: RequestUsage, b: RequestUsage) -> RequestUsage:

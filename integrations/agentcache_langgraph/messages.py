@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
+from agentcache.content import flatten_content, text_block
 from agentcache.segments import AgentCall
 from agentcache.toolcalls import ToolCall
 from agentcache.transcript import ChatML, ChatTurn, UnsupportedMessageError, build_call
@@ -28,24 +29,20 @@ _CALL_PARTS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "invalid_to
 def _text(message: BaseMessage, index: int, skip: frozenset[str] = frozenset()) -> str:
     """The message's text; a list content keeps its text parts (and skips the `skip` kinds) and
     refuses anything else."""
-    content = message.content
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
-        elif isinstance(part, dict) and part.get("type") in skip:
-            continue
-        else:
-            kind = part.get("type", "untyped") if isinstance(part, dict) else type(part).__name__
-            what = "a tool result" if isinstance(message, ToolMessage) else "a message"
-            raise UnsupportedMessageError(
-                f"message {index} ({type(message).__name__}) has a {kind!r} content part; the agentcache "
-                f"runtime reads text only (send {what} as text, or leave the part out)")
-    return "".join(parts)
+
+    def read(part: Any) -> str | None:
+        text = text_block(part)
+        if text is not None:
+            return text
+        if isinstance(part, dict) and part.get("type") in skip:
+            return None
+        kind = part.get("type", "untyped") if isinstance(part, dict) else type(part).__name__
+        what = "a tool result" if isinstance(message, ToolMessage) else "a message"
+        raise UnsupportedMessageError(
+            f"message {index} ({type(message).__name__}) has a {kind!r} content part; the agentcache "
+            f"runtime reads text only (send {what} as text, or leave the part out)")
+
+    return flatten_content(message.content, read)
 
 
 def _author(message: AIMessage) -> str | None:
