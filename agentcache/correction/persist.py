@@ -81,17 +81,15 @@ def model_digest(engine: Any) -> str:
     layout = engine.layout
     _feed(h, "agentcache-model", type(engine).__name__, str(engine.model_name), layout.num_layers,
           layout.num_kv_heads, layout.head_dim, str(layout.dtype), int(engine.vocab_size))
-    loaded = getattr(engine, "loaded", None)
-    module = getattr(loaded, "model", None)
-    if isinstance(module, torch.nn.Module):
-        _feed_parameters(h, module)
-    elif getattr(engine, "model_directory", None) is not None:
-        _feed_directory(h, Path(engine.model_directory))
+    weights = engine.weights  # the Engine protocol's: the module it runs, or its model directory
+    if isinstance(weights, torch.nn.Module):
+        _feed_parameters(h, weights)
+    elif isinstance(weights, (str, os.PathLike)):
+        _feed_directory(h, Path(weights))
     else:
-        raise InputError(f"cannot persist anchors for engine {type(engine).__name__} "
-                         f"({getattr(engine, 'model_name', '?')}): it exposes neither its loaded model "
-                         f"(`.loaded.model`) nor its model directory (`.model_directory`), so the weights "
-                         f"that computed its KV cannot be named")
+        raise InputError(f"cannot persist anchors for engine {type(engine).__name__} ({engine.model_name}): "
+                         f"its weights are a {type(weights).__name__}, neither a torch module nor a model "
+                         f"directory, so the weights that computed its KV cannot be named")
     return h.hexdigest()
 
 

@@ -225,6 +225,15 @@ class EmbeddedEngine(ModelFrontend):
     def eviction_policy(self) -> EvictionPolicy:
         return self.pool.policy
 
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
+    def weights(self) -> torch.nn.Module:
+        """The module the engine runs."""
+        return self.model
+
     # --- KV helpers -------------------------------------------------------------------------
 
     def cached_prefix_length(

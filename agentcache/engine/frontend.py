@@ -2,8 +2,9 @@
 
 Both engines (embedded and vLLM) load the model's HF config and tokenizer the same way, so they
 tokenize identically, re-align keys with the same rotary frequencies and refuse the same bad
-requests. `ModelFrontend` is that shared half; an engine sets it up with `_init_frontend` and
-adds `submit`.
+requests. `ModelFrontend` is that shared half: an engine subclasses it, sets it up with
+`_init_frontend` and adds `submit`, or (vLLM's core, which runs the model elsewhere) builds one
+with `ModelFrontend.for_model`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ class ModelFrontend:
     bos_token_id: int | None
     eos_token_id: int | None
     vocab_size: int
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, model: torch.nn.Module) -> "ModelFrontend":
+        """The frontend of `loaded`, its KV layout and RoPE probed through `model` (its weights as run)."""
+        frontend = cls()
+        frontend._init_frontend(loaded, model)
+        return frontend
 
     def _init_frontend(self, loaded: LoadedModel, model: torch.nn.Module) -> None:
         self.model_name = loaded.name

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -325,6 +326,17 @@ class Engine(Protocol):
     @property
     def eviction_policy(self) -> "EvictionPolicy | None":
         """The prefix cache's eviction policy object (CacheScout learns through it); None if hidden."""
+        ...
+
+    @property
+    def max_batch(self) -> int:
+        """Requests the engine runs together; more wait for a place."""
+        ...
+
+    @property
+    def weights(self) -> "torch.nn.Module | Path":
+        """The weights that compute the engine's KV: the module it runs, or the model directory it
+        loaded them from (what names them for persisted anchors: `correction.persist.model_digest`)."""
         ...
 
     def fresh(self) -> "Engine":

@@ -4,8 +4,9 @@
 engine's and the runtime's options, the client's own (agents, sampling), and the id of the runtime
 it ran on. A team's agents and its selector each carry their client's config, so loading a team
 loads several configs naming one runtime id; `runtime_for` gives them one runtime: the live one
-with that id in this process, else one built from the options (once, for all configs of that id).
-What a runtime holds (caches, anchors, sessions) is never part of a config.
+with that id in this process (while that runtime object exists: see `_live`), else one built from
+the options (once, for all configs of that id loaded while it lives). What a runtime holds
+(caches, anchors, sessions) is never part of a config.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def _eviction_name(policy: Any) -> str | None:
     return name if same else None
 
 
-_live: "weakref.WeakValueDictionary[str, Runtime]" = weakref.WeakValueDictionary()  # runtime id -> runtime
+# Runtime id -> runtime, for `runtime_for`: AutoGen builds a client from its config alone, so this is
+# how a loaded config finds the runtime it was written from. Held weakly: an entry lives exactly as
+# long as its runtime object (its clients and the caller hold it; `Runtime.close()` does not end it),
+# and no config keeps a runtime alive: one loaded after its runtime was collected builds a new one.
+_live: "weakref.WeakValueDictionary[str, Runtime]" = weakref.WeakValueDictionary()
 _live_lock = threading.Lock()
 
 

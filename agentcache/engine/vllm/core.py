@@ -14,6 +14,7 @@ segment itself: exact, counted as computed.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ import torch
 
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import SegmentKV, prefix_digests
-from agentcache.engine.loop import EngineLoop, Job
+from agentcache.engine.loop import EngineLoop, EngineShutdown, Job
 from agentcache.engine.precision import dtype_name, resolve_dtype
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
 from agentcache.engine.grammar import OutputConstraint
@@ -37,7 +38,9 @@ from agentcache.engine.vllm.tails import ExactTails
 from agentcache.errors import EngineUnavailableError, RequestCancelled
 from agentcache.models import LoadedModel, load_model, model_directory
 
-__all__ = ["VLLMCore", "Call"]
+__all__ = ["VLLMCore", "CoreTable", "Call"]
+
+log = logging.getLogger(__name__)
 
 _WARMUP_PRIORITY = 1 << 30  # vLLM runs smaller priorities first: warm-ups after every real call
 _TAIL_BYTES = 64 << 20  # exact partial blocks kept between calls (tails.py): ~60 agents' on Gemma 3 270M
@@ -126,23 +129,84 @@ def phase_ends(runs: Sequence[Run], hit: int) -> list[int]:
 _STEP_LOCK = threading.Lock()  # held by whichever core steps its vLLM engine
 
 
-class VLLMCore:
-    """One vLLM engine and the loop that steps it."""
+class CoreTable:
+    """The process's open cores by (model, settings), each shared by the views that opened it.
 
-    _shared: dict[tuple, "VLLMCore"] = {}
-    _shared_lock = threading.Lock()
+    Lifetime: `open` builds a key's core on first use and counts the caller as a holder; `retain`
+    counts another holder of a core already open; `release` drops one. When the last holder lets
+    go the core stops (its loop ends, failing what it held) and leaves the table: the next `open`
+    of that key builds a new one. A holder that never releases keeps its core for the life of the
+    process (as every core was kept before views could close).
+
+    A stopped core is shut down (vLLM frees its weights and KV) only once no core is open: vLLM's
+    teardown also destroys the process's distributed groups, which every in-process vLLM engine
+    uses at each step. Until then it waits, stopped, in `retired`.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple, Any] = {}  # key -> core
+        self._holders: dict[tuple, int] = {}  # key -> views holding its core
+        self.retired: list[Any] = []  # stopped, waiting to be shut down
+        self._lock = threading.Lock()
+
+    def open(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The key's core (built by `build()` the first time), with one more holder."""
+        with self._lock:  # held while a core builds: two views of one key never build two
+            if key not in self._open:
+                self._open[key] = build()
+            self._holders[key] = self._holders.get(key, 0) + 1
+            return self._open[key]
+
+    def retain(self, core: Any) -> Any:
+        """`core` with one more holder; a core no longer open is refused."""
+        with self._lock:
+            self._holders[self._key_of(core)] += 1
+            return core
+
+    def release(self, core: Any) -> None:
+        """One holder of `core` lets go; the last one stops it (and shuts down what no open core needs)."""
+        with self._lock:
+            key = self._key_of(core)
+            self._holders[key] -= 1
+            if self._holders[key]:
+                return
+            del self._holders[key], self._open[key]
+            core.stop()
+            self.retired.append(core)
+            if not self._open:  # under the lock: no core opens while vLLM tears the groups down
+                for retired in self.retired:
+                    retired.shut_down()
+                self.retired.clear()
+
+    def _key_of(self, core: Any) -> tuple:
+        for key, open_core in self._open.items():
+            if open_core is core:
+                return key
+        raise EngineShutdown("this vLLM engine was closed: open a new VLLMEngine")
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, core: Any) -> bool:
+        return any(open_core is core for open_core in self._open.values())
+
+
+class VLLMCore:
+    """One vLLM engine and the loop that steps it.
+
+    Views (`VLLMEngine`) of one model and settings share one core (starting vLLM takes seconds
+    and reserves its whole KV cache): `open` and `retain` count a view as a holder in `table`,
+    and the last view's `release` stops the core; see `CoreTable` for when vLLM is shut down.
+    """
+
+    table = CoreTable()  # this process's cores
 
     @classmethod
-    def shared(cls, model: LoadedModel | str, config: Any) -> "VLLMCore":
-        """The core for this model and these settings, built once per process (a vLLM engine
-        takes seconds to start and holds its KV cache for good)."""
+    def open(cls, model: LoadedModel | str, config: Any) -> "VLLMCore":
+        """The open core for this model and these settings (built on first use), with one more
+        holder: the caller releases it with `VLLMCore.table.release(core)`."""
         source = model.name if isinstance(model, LoadedModel) else str(model)
-        with cls._shared_lock:
-            key = (source, config.core_settings)
-            core = cls._shared.get(key)
-            if core is None:
-                core = cls._shared[key] = cls(model, config)
-            return core
+        return cls.table.open((source, config.core_settings), lambda: cls(model, config))
 
     def __init__(self, model: LoadedModel | str, config: Any) -> None:
         from agentcache.engine.embedded import choose_threads
@@ -163,8 +227,7 @@ class VLLMCore:
         self.dtype = resolve_dtype(config.dtype, device, "VLLMConfig.dtype")
         if loaded.dtype != self.dtype:  # the frontend's model (RoPE probe, KV layout) in vLLM's dtype
             loaded = load_model(self.source, dtype=self.dtype)
-        self.frontend = ModelFrontend()
-        self.frontend._init_frontend(loaded, loaded.model)
+        self.frontend = ModelFrontend.for_model(loaded, loaded.model)
         self.frontend.layout = replace(self.frontend.layout, device=device)
         self.frontend.model_key = _weights_key(self.directory)  # cores over the same files compute the same KV
         self.block_size = config.block_size
@@ -221,6 +284,18 @@ class VLLMCore:
     @property
     def scheduler(self) -> Any:
         return self.engine.engine_core.engine_core.scheduler
+
+    def stop(self) -> None:
+        """End the loop after its current step: what it holds or never took fails with EngineShutdown."""
+        self._loop.close()
+
+    def shut_down(self) -> None:
+        """Shut vLLM down (its weights, KV cache and the process's distributed groups go); after `stop`."""
+        if self._loop.running:  # still stepping (stopped from its own thread, or a step that hangs)
+            log.warning("vLLM engine for %s not shut down: its loop is still running", self.source)
+            return
+        self.engine.engine_core.shutdown()
+        self.engine = None  # what vLLM held goes with the engine object
 
     def submit(self, call: Call) -> Future:
         return self._loop.submit(call).future

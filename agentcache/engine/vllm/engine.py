@@ -4,7 +4,8 @@ A `VLLMEngine` is a view of a `VLLMCore` (one vLLM engine per model and settings
 stepped by one loop thread that every call feeds: concurrent calls are concurrent vLLM requests,
 continuously batched). Each view has a salt of its own: a new engine (or `fresh()`) starts with
 an empty cache, as a new embedded engine does, without loading the model or starting vLLM again;
-views share the core's KV capacity.
+views share the core's KV capacity. A view holds its core until `close()`: the last view of a
+core to close stops it (`core.CoreTable` says when vLLM itself is shut down).
 
 How a call maps onto vLLM:
 - The prompt goes in as token ids, salted with the view and the request's `cache_salt` (the
@@ -34,6 +35,7 @@ import torch
 from agentcache.engine.eviction import AgentAwarePolicy, EvictionPolicy
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import prefix_digests
+from agentcache.engine.loop import EngineShutdown
 from agentcache.engine.precision import dtype_setting
 from agentcache.engine.protocol import CacheStats, ExecRequest, ExecResult, Step
 from agentcache.engine.vllm.core import Call, VLLMCore
@@ -99,26 +101,40 @@ class VLLMEngine(ModelFrontend):
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, config: VLLMConfig | None = None, *,
                  _core: VLLMCore | None = None) -> None:
         self.config = config or VLLMConfig()
-        self._core = _core or VLLMCore.shared(model, self.config)
-        core = self._core
+        core = VLLMCore.table.retain(_core) if _core is not None else VLLMCore.open(model, self.config)
+        self._core = core
         self.__dict__.update(vars(core.frontend))  # the model's tokenizer, layout and RoPE aligner
         self.block_size = self.config.block_size
         self.max_context = core.max_model_len
         # Every engine object is a view with a salt of its own: like a new embedded engine it starts
         # with an empty cache, though views of one model and settings share one vLLM engine.
         self._view = uuid.uuid4().hex
+        self._closed = False
+
+    def close(self) -> None:
+        """Let go of the vLLM engine (the last view of it to close stops it); calls on this view
+        raise EngineShutdown from now on. Closing twice does nothing."""
+        if not self._closed:
+            self._closed = True
+            VLLMCore.table.release(self._core)
+
+    @property
+    def _open_core(self) -> VLLMCore:
+        if self._closed:
+            raise EngineShutdown("this VLLMEngine is closed")
+        return self._core
 
     # --- the contract's settings -------------------------------------------------------------
 
     def fresh(self) -> "VLLMEngine":
         """Another view of the same vLLM engine whose requests never hit this one's blocks."""
-        return VLLMEngine(config=self.config, _core=self._core)
+        return VLLMEngine(config=self.config, _core=self._open_core)
 
     def with_config(self, config: VLLMConfig) -> "VLLMEngine":
         """An engine over the same model with other settings (its own vLLM engine unless the settings
         are equal); its cache starts empty."""
         if config.core_settings == self.config.core_settings:
-            return VLLMEngine(config=config, _core=self._core)
+            return VLLMEngine(config=config, _core=self._open_core)
         return VLLMEngine(self._core.source, config)
 
     @property
@@ -131,7 +147,16 @@ class VLLMEngine(ModelFrontend):
         return self._core.policy
 
     @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
     def model_directory(self) -> Path:
+        return self._core.directory
+
+    @property
+    def weights(self) -> Path:
+        """The model directory vLLM loaded the weights from."""
         return self._core.directory
 
     # --- execution ---------------------------------------------------------------------------
@@ -142,12 +167,12 @@ class VLLMEngine(ModelFrontend):
         """Tokens of `token_ids` vLLM would serve from its prefix cache now (block-aligned; the
         last token is always computed)."""
         self._check_ids(token_ids, "cached_prefix_length")
-        core, ids, salt = self._core, list(token_ids), self._salt(cache_salt)
+        core, ids, salt = self._open_core, list(token_ids), self._salt(cache_salt)
         return core.between_steps(lambda: core.lookup(ids, salt, lineage)[0]).result()
 
     def cache_stats(self) -> CacheStats:
         """The vLLM engine's prefix cache (shared by every view of it)."""
-        core = self._core
+        core = self._open_core
         stats = core.between_steps(lambda: core.scheduler.cache_stats()).result()
         return replace(stats, injection_failures=core.injection_failures)
 
@@ -155,6 +180,7 @@ class VLLMEngine(ModelFrontend):
         """Queue a request for vLLM; returns a future of its ExecResult. A malformed request raises here."""
         if not isinstance(request, ExecRequest):
             raise PlanError(f"submit takes an ExecRequest, got {type(request).__name__}")
+        core = self._open_core
         prompt = request.token_ids
         self._validate(request, prompt)
         inject, approx = [], []
@@ -168,7 +194,7 @@ class VLLMEngine(ModelFrontend):
                 if not (seg.kv.start == start and seg.kv.exact_for == digests[end]):
                     approx.append((start, end))
             start = end
-        return self._core.submit(Call(request, self._salt(request.cache_salt), tuple(inject), tuple(approx)))
+        return core.submit(Call(request, self._salt(request.cache_salt), tuple(inject), tuple(approx)))
 
     def execute(self, request: ExecRequest) -> ExecResult:
         return self.submit(request).result()
