@@ -65,7 +65,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -77,7 +76,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import fill_defaults, judge_aims, machine, run_and_emit, torch_build  # benchmarks/, this folder
 
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
 from agentcache.engine.protocol import SamplingParams
@@ -470,14 +469,6 @@ def warm_start(setup: Setup) -> tuple[dict, dict]:
 
 # --- the run ----------------------------------------------------------------------------------------
 
-def _aims_met(result: dict) -> dict[str, bool | None]:
-    met = {}
-    for key, (op, bound) in AIMS.items():
-        value = result.get(key)
-        met[key] = None if value is None else (value <= bound if op == "<=" else value >= bound)
-    return met
-
-
 def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     settings = {"threads": args.threads} if args.threads else {}
@@ -533,8 +524,7 @@ def run(args: argparse.Namespace) -> dict:
         "greedy_pairs": len(pairs),
         "anchor_bytes_per_kv_byte": (sum(a for a, _ in dense) / sum(d for _, d in dense)) if dense else None,
     }
-    result["aims"] = {key: f"{op} {bound}" for key, (op, bound) in AIMS.items()}
-    result["aims_met"] = _aims_met(result)
+    judge_aims(result, AIMS)
     result.update(
         model=base.model_name,
         engine=args.engine,
@@ -549,12 +539,10 @@ def run(args: argparse.Namespace) -> dict:
         },
         self_check=None if check is None else check.to_dict(),
         self_check_skipped=check is None,
-        machine={"platform": platform.machine(), "cpus": os.cpu_count(),
-                 "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                 "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__},
+        machine=machine(affinity_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                        **torch_build(threads)),
         workloads=workloads,
         setup_s=round(setup_s, 2),
-        elapsed_s=round(time.perf_counter() - started, 2),
     )
     return result
 
@@ -612,9 +600,7 @@ def main(argv: list[str] | None = None) -> dict:
     fill_defaults(args, quick, full)
     if not 0 <= args.warmup < args.workflows:
         parser.error(f"--warmup must be at least 0 and below --workflows ({args.workflows}), got {args.warmup}")
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ figures check that the code runs, with sizes scaled down).
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
@@ -53,7 +52,7 @@ from agentcache.segments import AgentCall, Segment
 from agentcache.selfcheck import check_model
 from agentcache.tasks import FourAgentWorkflow, directory_people, document_problem, fact_problem, filler_tokens
 
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import fill_defaults, machine, run_and_emit, torch_build  # benchmarks/, the script's own folder
 
 DTYPE = "bfloat16"
 AIMS = {  # issue 39, on an H200 with the 1.1B-parameter timing model in bf16
@@ -294,7 +293,6 @@ def judge(figures: dict, on_cuda: bool) -> tuple[dict, bool | None]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
     result = {"device": str(device), "dtype": DTYPE}
@@ -320,18 +318,15 @@ def run(args: argparse.Namespace) -> dict:
                                                 "batch", "reps", "out_tokens", "problems")},
         "quick": args.quick,
         "machine": _machine(device),
-        "elapsed_s": time.perf_counter() - started,
     })
     return result
 
 
 def _machine(device: torch.device) -> dict:
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-               "torch_threads": torch.get_num_threads()}
+    record = machine(platform=platform.platform(), **torch_build())
     if device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(device)
-        machine["cuda"] = torch.version.cuda
-    return machine
+        record.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                                        batch=4, reps=2, out_tokens=4, problems=3),
                       full=dict(prefill_tokens=[2048, 8192], doc_tokens=4096, plan_tokens=4096, decode_tokens=64,
                                 batch=8, reps=5, out_tokens=8, problems=6))
-    emit(run(args), args.out)
+    run_and_emit(run, args)
     return 0
 
 

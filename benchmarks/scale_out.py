@@ -67,7 +67,7 @@ from typing import Any
 
 import httpx
 
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import fill_defaults, judge_aims, machine, run_and_emit  # benchmarks/, the script's own folder
 from serve_load import NAMES, Errors, Reply, Target, free_port, http_request, messages, summarize
 from serving import document_text, poisson_arrivals
 
@@ -452,7 +452,6 @@ async def measure(args, instances: list[Process], docs: Documents, logs: Path, c
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     engine = open_engine("embedded", args.model)  # the documents' tokenizer
     docs = Documents(engine, args.context, args.seed)
     cpus = sorted(os.sched_getaffinity(0))
@@ -467,10 +466,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for instance in instances:
             instance.stop()
-    result["aims"] = {key: f"{op} {bound}" for key, (op, bound) in AIMS.items()}
-    result["aims_met"] = {key: None if result.get(key) is None else
-                          (result[key] <= bound if op == "<=" else result[key] > bound)
-                          for key, (op, bound) in AIMS.items()}
+    judge_aims(result, AIMS)
     import vllm_router.version as router_version
 
     result.update(
@@ -479,9 +475,8 @@ def run(args: argparse.Namespace) -> dict:
         sizes={"instances": args.instances, "context": args.context, "output_tokens": args.output_tokens,
                "sessions": args.sessions, "rounds": args.rounds, "rate": args.rate, "warmup": args.warmup,
                "anchor_sync_s": args.anchor_sync_s, "think_s": args.think_s, "policies": args.policies},
-        machine={"platform": platform.machine(), "cpus": len(cpus), "cores_per_instance": [len(c) for c in cores],
-                 "python": platform.python_version()},
-        logs=str(logs), elapsed_s=round(time.perf_counter() - started, 2))
+        machine=machine(cpus=len(cpus), cores_per_instance=[len(c) for c in cores], python=platform.python_version()),
+        logs=str(logs))
     return result
 
 
@@ -525,9 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.policies = [BASELINE, *args.policies]
     if args.policy not in args.policies:
         args.policies.append(args.policy)
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import fill_defaults, judge_aims, machine, run_and_emit, torch_build  # benchmarks/, this folder
 from serving import AGENTS, document_text, poisson_arrivals  # the serving sweep's trajectories
 
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
@@ -594,7 +592,6 @@ async def measure(args: argparse.Namespace, base, runtimes: dict[str, Runtime], 
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     base = open_engine(args.engine, args.model)
     check = None if args.quick else check_model(base)
     runtimes: dict[str, Runtime] = {}
@@ -613,10 +610,7 @@ def run(args: argparse.Namespace) -> dict:
             for rt in runtimes.values():
                 rt.close()
     result["max_rss_mb"] = round(max_rss_mb(), 1)
-    result["aims"] = {key: f"{op} {bound}" for key, (op, bound) in AIMS.items()}
-    result["aims_met"] = {key: None if result.get(key) is None else
-                          (result[key] <= bound if op == "<=" else result[key] < bound)
-                          for key, (op, bound) in AIMS.items()}
+    judge_aims(result, AIMS)
     batch = getattr(getattr(base, "config", None), "max_batch", None)
     result.update(
         model=base.model_name, engine=args.engine, quick=args.quick, strategies=[NONSHARED, KVCMAS],
@@ -625,9 +619,7 @@ def run(args: argparse.Namespace) -> dict:
                "trajectories": args.trajectories, "full_load_trajectories": args.full_load_trajectories,
                "soak_s": args.soak_s, "soak_concurrency": args.soak_concurrency, "soak_context": args.soak_context,
                "max_in_flight": args.max_in_flight or (4 * batch if batch else None)},
-        machine={"platform": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                 "torch": torch.__version__, "python": platform.python_version()},
-        elapsed_s=round(time.perf_counter() - started, 2),
+        machine=machine(**torch_build(), python=platform.python_version()),
     )
     return result
 
@@ -683,9 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--loads must be positive fractions of the saturation throughput")
     if not 0 <= args.soak_warmup < 1:
         parser.error("--soak-warmup must be a share in [0, 1)")
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import random
 import re
 import statistics
@@ -50,7 +48,7 @@ from typing import Any, Callable
 import jsonschema
 import torch
 
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import fill_defaults, judge_aims, machine, run_and_emit, torch_build  # benchmarks/, this folder
 
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
 from agentcache.engine.protocol import SamplingParams
@@ -217,7 +215,6 @@ def grammar_overhead(engines: list[Any]) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     settings = {"threads": args.threads} if args.threads else {}
     base = open_engine(args.engine, args.model, **settings)
     args.people = directory_people(base.tokenize, args.doc_tokens, minimum=3)
@@ -281,19 +278,14 @@ def run(args: argparse.Namespace) -> dict:
         "grammar_mask_overhead": grammar_overhead([rt.engine for rt in runtimes.values()]),
         "kvcmas_runtime": {k: summary.get(k) for k in ("reuse_ratio", "ph_decisions", "fallback_reasons")},
     }
-    result["aims"] = {key: f"{op} {bound}" for key, (op, bound) in AIMS.items()}
-    result["aims_met"] = {key: None if result.get(key) is None else
-                          (result[key] <= bound if op == "<=" else result[key] >= bound)
-                          for key, (op, bound) in AIMS.items()}
+    judge_aims(result, AIMS)
     tool_result_tokens = len(base.tokenize(document_problem(args.seed + 1000, args.people).text))
     result.update(
         model=base.model_name, engine=args.engine, quick=args.quick,
         sizes={"calc_tasks": args.calc_tasks, "lookup_workflows": args.workflows, "warmup": args.warmup,
                "people": args.people, "tool_result_tokens": tool_result_tokens, "call_tokens": args.call_tokens,
                "answer_tokens": args.answer_tokens},
-        machine={"platform": platform.machine(), "cpus": os.cpu_count(),
-                 "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__},
-        elapsed_s=round(time.perf_counter() - started, 2),
+        machine=machine(**torch_build(threads)),
     )
     return result
 
@@ -322,9 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     fill_defaults(args, quick, full)
     if not 0 <= args.warmup < args.workflows:
         parser.error(f"--warmup must be at least 0 and below --workflows ({args.workflows})")
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":
