@@ -243,7 +243,8 @@ def test_an_assistant_agent_completes_a_forced_tool_round_trip():
 
     (first, first_sampling, _), (reflection, reflection_sampling, reflected) = seen
     assert first.agent == reflection.agent == "calc"
-    assert first_sampling.constraint is not None  # the client's tool_choice stood in for AutoGen's "auto"
+    # the client's tool_choice stood in for AutoGen's "auto": the same forced-call grammar as tool_choice="required"
+    assert first_sampling.constraint is not None and first_sampling.constraint.kind == "structural_tag"
     assert reflection_sampling.constraint is None  # the reflection asks for "none" and no tools: free text
     # the reflection reads the call in the model's own format and the result as a tool turn
     slots = {s.slot: s.text for s in reflection.segments if s.kind == "ph"}

@@ -188,7 +188,10 @@ def test_glue_between_injected_segments_equals_dense(engine, chunk):
         assert close(a.kv.keys, b.kv.keys) and close(a.kv.values, b.kv.values)
     assert all(o.kv.exact for o in injected.segments)
     again = engine.execute(ExecRequest(plan, GREEDY))  # cached blocks from the scattered call serve a rerun
-    assert again.cached_tokens > 0 and again.token_ids == dense.token_ids
+    # the lookup covers the leading PREFIX and INJECT segments (up to the first glue): all their full blocks hit
+    looked_up = len(parts[0]) + len(parts[1])
+    assert again.cached_tokens == looked_up // engine.block_size * engine.block_size
+    assert again.token_ids == dense.token_ids
 
 
 def _foreign_query_kv(engine, query_ids):
@@ -216,7 +219,7 @@ def test_approximate_kv_serves_only_its_own_lineage(engine):
     assert again.cached_tokens > sys_blocks * engine.block_size
     # Its own (approximate) context is what got reused: the hit part of the query is the injected KV.
     reused = again.segments[1].cached_tokens
-    assert reused > 0
+    assert reused == min(len(segments[1].token_ids), again.cached_tokens - len(segments[0].token_ids)) > 0
     assert torch.equal(again.segments[1].kv.keys[:, :, :reused], approx.segments[1].kv.keys[:, :, :reused])
     assert not again.segments[1].kv.exact
     # Without a lineage, approximate KV is not cached at all.

@@ -7,8 +7,9 @@ template has Qwen2.5's tool-call format) declares tool calling, tool choice, str
 and JSON mode, and runs the unit suite and the integration suite's tool-calling and
 structured-output tests (the rest of that suite runs on tiny-llama; on CPU the 0.5B model takes
 seconds a call). What neither model can do is declared the way the suites read it (non-text
-inputs; one model per runtime), so those tests skip. The tests a 0.5B model cannot pass for its
-answers' sake are xfailed, each with its reason."""
+inputs; one model per runtime), so those tests skip. The one test the 0.5B model fails for its
+answer's sake (greedy, so every run alike) is a strict xfail with its reason, and the same loop
+with the call forced is a test of its own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -87,8 +90,9 @@ class TestAgentCacheChatModelIntegration(_TinyLlama, ChatModelIntegrationTests):
 
 _QWEN_TESTS = ("tool", "structured", "json", "agent_loop")  # the integration tests Qwen runs
 _UNFORCED = ("asked 'What is the weather in San Francisco, CA?' with no system prompt and no tool_choice, "
-             "Qwen2.5-Coder-0.5B-Instruct answers without calling get_weather (LangChain's own advice for a model "
-             "that does not consistently call tools: xfail); forced, it calls it (test_tool_choice passes)")
+             "Qwen2.5-Coder-0.5B-Instruct (greedy) writes the get_weather call as a ```json block instead of its "
+             "template's <tool_call> tags, so the reply has no tool call (LangChain's own advice for a model that "
+             "does not consistently call tools: xfail); forced, it calls it (test_agent_loop_forced)")
 
 
 class _Qwen(_Declared):
@@ -119,7 +123,34 @@ class TestQwenChatModelIntegration(_Qwen, ChatModelIntegrationTests):
             pytest.skip("runs on tiny-llama (TestAgentCacheChatModelIntegration); on CPU the 0.5B model runs only "
                         "the tool-calling and structured-output tests")
 
-    @pytest.mark.xfail(strict=False, reason=_UNFORCED)
+    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=_UNFORCED)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop_forced(self, model: BaseChatModel) -> None:
+        """LangChain's agent loop with the first call forced (tool_choice): the call, the tool's
+        answer as a ToolMessage, and a reply that read both (the loop's second call, unforced)."""
+
+        @tool
+        def get_weather(location: str) -> str:
+            """Get the weather at a location."""
+            return "It's sunny."
+
+        question = HumanMessage("What is the weather in San Francisco, CA?")
+        call = model.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+        assert isinstance(call, AIMessage)
+        assert [block["type"] for block in call.content_blocks] == ["tool_call"]
+        (tool_call,) = call.tool_calls
+        assert (tool_call["name"], tool_call["args"]) == ("get_weather", {"location": "San Francisco, CA"})
+        answer = get_weather.invoke(tool_call)
+        assert isinstance(answer, ToolMessage) and answer.tool_call_id == tool_call["id"]
+        assert answer.content == "It's sunny."
+        reply = model.bind_tools([get_weather]).invoke([question, call, answer])
+        assert isinstance(reply, AIMessage)
+        # the second prompt held the first, the call and the tool's answer: the first's blocks hit
+        first, second = call.usage_metadata, reply.usage_metadata
+        assert second["input_tokens"] > first["input_tokens"] + len(model.get_token_ids("It's sunny."))
+        block = self._shared_runtime.engine.block_size
+        assert second["input_token_details"]["cache_read"] >= first["input_tokens"] // block * block

@@ -428,7 +428,7 @@ def qwen_runtime(qwen_model) -> Runtime:
 def test_qwen_react_agent_adds_with_a_forced_first_step(qwen_runtime):
     """create_react_agent with LangGraph's dynamic model: the add call is forced until the tool has
     answered, then the model answers with the sum as JSON (the 0.5B model's free answers after a
-    tool result are more bare-JSON calls; see the xfailed test below)."""
+    tool result are more bare-JSON calls; the unforced loop is the test below)."""
     from langgraph.prebuilt import create_react_agent
 
     model = AgentCacheChatModel(runtime=qwen_runtime, max_tokens=48)

@@ -94,7 +94,9 @@ def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
                                         extra_body={"agentcache": {"agent": "planner", "session": "s1"}})
     assert again.model_extra["agentcache"]["agent"] == "planner"
     assert again.model_extra["agentcache"]["agent_from"] == "field"
-    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the planner's prompt was cached by its first call
+    # the planner's prompt was cached by its first call: all of it but the last token's block
+    block = server.runtime.engine.block_size
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // block * block
 
 
 def test_a_body_as_vllm_router_forwards_it_is_served_in_the_routers_session(server):
@@ -298,13 +300,17 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
             return sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
                                                extra_body=extra or None)
 
+        def all_blocks(reply) -> bool:  # the same prompt again: all of it but the last token's block hit
+            block = rt.engine.block_size
+            return reply.usage.prompt_tokens_details.cached_tokens == (reply.usage.prompt_tokens - 1) // block * block
+
         assert ask("key-of-acme-000").usage.prompt_tokens_details.cached_tokens == 0
-        assert ask("key-of-acme-000").usage.prompt_tokens_details.cached_tokens > 0  # its own blocks
+        assert all_blocks(ask("key-of-acme-000"))  # its own blocks
         assert ask("key-of-globex-0").usage.prompt_tokens_details.cached_tokens == 0  # never acme's
         # a salt splits inside the caller's tenant and never joins another: globex naming "acme" gets nothing
         assert ask("key-of-globex-0", cache_salt="acme").usage.prompt_tokens_details.cached_tokens == 0
         assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens == 0
-        assert ask("key-of-acme-000", cache_salt="x").usage.prompt_tokens_details.cached_tokens > 0
+        assert all_blocks(ask("key-of-acme-000", cache_salt="x"))
         OpenAI(base_url=guarded.url, api_key="key-of-acme-000", max_retries=0).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2)
         for bad in (None, "wrong-key-0000"):
