@@ -49,7 +49,7 @@ class IdleWorker:
     def __init__(self, is_idle: Callable[[], bool], lock: threading.RLock, *,
                  on_fault: Callable[[str, BaseException], None], max_pending: int = MAX_PENDING) -> None:
         """`is_idle()`: whether no call is in flight; `lock`: the runtime's (held to apply);
-        `on_fault(name, exc)`: a lesson failed (it costs only that lesson)."""
+        `on_fault(name, exc)`: a lesson failed (it costs only that lesson; called under `lock`)."""
         self._is_idle = is_idle
         self._lock = lock
         self._on_fault = on_fault
@@ -170,7 +170,8 @@ class IdleWorker:
         except Exception as exc:  # noqa: BLE001 - a failed lesson costs only itself
             self.failed += 1
             try:
-                self._on_fault(lesson.name, exc)
+                with self._lock:
+                    self._on_fault(lesson.name, exc)
             except Exception:  # noqa: BLE001
                 log.exception("reporting a failed lesson %s", lesson.name)
         finally:

@@ -19,7 +19,8 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for_all
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,10 +29,10 @@ import torch
 
 from agentcache.calls import CallPlan, awaited_context, plan_call
 from agentcache.config import RuntimeConfig
-from agentcache.correction import make_corrector
+from agentcache.correction import make_strategy
 from agentcache.correction.anchor_store import AnchorStore
 from agentcache.correction.persist import AnchorFiles
-from agentcache.correction.plan import Served, TokenizedCall
+from agentcache.correction.plan import Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
@@ -45,12 +46,14 @@ from agentcache.scout.recorder import TraceRecorder
 from agentcache.segments import AgentCall, DispatchEvent, Segment
 from agentcache.selfcheck import CheckReport, vet_strategy
 from agentcache.sessions import SessionTable
+from agentcache.story import Await, Do, Story, drive, drive_async
 from agentcache.toolcalls import ToolFormat
 from agentcache.transcript import ChatML, chat_format
 
 __all__ = ["Runtime", "RuntimeConfig"]
 
 LEARN_TIMEOUT_S = 120.0  # `close` waits at most this long for pending learning
+PLANNING, LEARNING = "planning", "learning"  # the runtime's two threads under `arun`
 
 
 @dataclass
@@ -70,6 +73,19 @@ class _Flight:
     plan: CallPlan | None = None
     submitted: float = 0.0
 
+    @classmethod
+    def checked(cls, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
+                on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> _Flight:
+        """A call's flight from `Runtime.run`'s arguments, each checked (InputError names a bad one)."""
+        call = AgentCall.checked(call, "Runtime.run")
+        sampling = SamplingParams.checked(sampling, "Runtime.run(sampling=...)")
+        if on_token is not None and not callable(on_token):
+            raise InputError(f"Runtime.run(on_token=...) must be callable (it gets each token id) or None, "
+                             f"got {type(on_token).__name__}")
+        if cancelled is not None and not isinstance(cancelled, threading.Event):
+            raise InputError(f"Runtime.run(cancelled=...) must be a threading.Event or None, got {type(cancelled).__name__}")
+        return cls(call, DispatchEvent.checked_for(event, call), sampling, on_token, cancelled, started, object())
+
 
 class Runtime:
     """Runs agent calls end to end; see `run`. Thread-safe: concurrent calls run together on the engine."""
@@ -78,12 +94,9 @@ class Runtime:
                  config: RuntimeConfig | None = None, check: CheckReport | None = None,
                  recorder: TraceRecorder | None = None, on_call: Callable[[CallResult], None] | None = None,
                  anchors_dir: str | Path | AnchorStore | None = None) -> None:
-        """`check`: a self-check report to trust instead of running the check; `on_call`: called with
-        every finished call's record (e.g. `metrics.JsonlSink(path)`); `anchors_dir`: where the
-        strategy's anchor pools and verification records persist (`correction.persist`), a directory
-        or an `AnchorStore` that other instances may share: loaded for each tenant when it first
-        calls, exchanged with the store every `config.anchor_sync_s` when idle, saved by
-        `save_anchors()` and `close()`."""
+        """`check`: a self-check report to trust instead of running the check; `on_call`: gets every
+        finished call's record (e.g. `metrics.JsonlSink(path)`); `anchors_dir`: a directory or an
+        `AnchorStore` (shared by instances) where anchor pools persist (`correction.persist`)."""
         self.config = RuntimeConfig.checked(config)
         check = CheckReport.checked(check)
         self.log = CallLog(self.config.keep_calls, on_call)
@@ -92,27 +105,23 @@ class Runtime:
         self.requested_strategy = get_strategy(strategy)
         verdict = vet_strategy(self.engine, self.requested_strategy, check, self.config.self_check)
         self.strategy, self.check, self.refusal = verdict.strategy, verdict.check, verdict.refusal
-        self.corrector = make_corrector(self.engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
+        self.corrector = make_strategy(self.engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
         self.sessions = SessionTable(self.config.max_sessions, self.config.session_entries, self.corrector.forget)
         self.scout = ScoutDriver(self.engine, self.config.scout, warmup=self.config.warmup, recorder=recorder)
         self.id = uuid.uuid4().hex  # names this runtime (its lineages, configs that run on it)
         self._lock = threading.RLock()  # strategy and session state: held to plan and to settle, never while the engine runs
         self.cancelled_calls = 0  # calls their callers cancelled (dropped from the engine)
         self._flying: set[object] = set()  # a ticket per call between entering the runtime and settling
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan")  # `arun`'s planning
-        self._learner = ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")  # `arun`'s learning and settling
+        self._threads = {PLANNING: ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan"),  # `arun`'s planning
+                         LEARNING: ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")}  # and settling
         # what finished calls teach the strategy, learned while no call is in flight
-        self._idle = IdleWorker(lambda: not self._flying, self._lock, on_fault=self._lesson_failed)
+        self._idle = IdleWorker(lambda: not self._flying, self._lock, on_fault=lambda name, exc: self.corrector.fault(
+            "lesson_error", f"learning from a finished call ({name})", exc))  # called under the lock
         self.anchors = AnchorFiles.open(anchors_dir, self.engine, self.corrector)  # None: not persisted
         self._closing = threading.Event()
-        self._anchor_syncer: threading.Thread | None = None
         if self.anchors is not None:
             self.anchors.load(None)  # the default tenant now: a mismatched file is refused here
-            if self.config.anchor_sync_s is not None:
-                self._anchor_syncer = threading.Thread(
-                    target=_sync_anchors_every, args=(weakref.ref(self), self.config.anchor_sync_s, self._closing),
-                    name="agentcache-anchor-sync", daemon=True)
-                self._anchor_syncer.start()
+        self._anchor_syncer = _start_anchor_sync(self)
 
     # --- running calls -------------------------------------------------------------------
 
@@ -122,25 +131,7 @@ class Runtime:
         adapter's dispatch event (of the call's agent and session); `on_token` gets each token id;
         setting `cancelled` (a client that went away) drops the call from the engine, which frees its
         blocks, and the call raises `RequestCancelled`: nothing of it is learned or kept."""
-        flight = self._enter(call, sampling, event, on_token, cancelled)
-        try:
-            wait_for_all(flight.awaited)
-            self._plan(flight)
-            while True:
-                try:
-                    result = self._submit(flight).result()
-                    break
-                except (KVShapeError, RopeAlignmentError) as exc:
-                    self._refused(flight, exc)
-            outcome = self._finish(flight, result)
-        except RequestCancelled:
-            with self._lock:
-                self.cancelled_calls += 1
-            raise
-        finally:
-            self._land(flight)
-        self.log.emit(outcome)
-        return outcome
+        return drive(self._story(call, sampling, event, on_token, cancelled, time.perf_counter()))
 
     async def arun(self, call: AgentCall, sampling: SamplingParams | None = None, *,
                    event: DispatchEvent | None = None, on_token: Callable[[int], None] | None = None,
@@ -149,67 +140,53 @@ class Runtime:
         each: planning takes turns on one runtime thread; learning, settling and the `on_call` sink
         on another. A caller that stops waiting does not stop the call: like `run` on a thread, it
         runs to its end and is recorded, unless it sets `cancelled`."""
-        call_task = asyncio.ensure_future(self._arun(call, sampling, event, on_token, cancelled, time.perf_counter()))
+        story = self._story(call, sampling, event, on_token, cancelled, time.perf_counter())
+        call_task = asyncio.ensure_future(drive_async(story, self._threads))
         call_task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
         return await asyncio.shield(call_task)
 
-    async def _arun(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-                    on_token: Callable[[int], None] | None, cancelled: threading.Event | None,
-                    started: float) -> CallResult:
-        loop = asyncio.get_running_loop()
-        flight = await loop.run_in_executor(self._planner, self._enter, call, sampling, event, on_token, cancelled,
-                                            started)
+    def _story(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
+               on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> Story:
+        """A call's story (see the module's description), told once for `run` and `arun`."""
+        flight = yield Do(PLANNING, self._enter, (call, sampling, event, on_token, cancelled, started))
         try:
-            if flight.awaited:  # on the event loop: the planning thread is not held
-                await asyncio.wait([asyncio.wrap_future(f) for f in flight.awaited])
-            await loop.run_in_executor(self._planner, self._plan, flight)
+            yield Await(flight.awaited)  # shared context in flight, with no lock held
+            yield Do(PLANNING, self._plan, (flight,))
             while True:
                 try:
-                    result = await asyncio.wrap_future(await loop.run_in_executor(self._planner, self._submit, flight))
+                    result = yield Await.result((yield Do(PLANNING, self._submit, (flight,))))
                     break
                 except (KVShapeError, RopeAlignmentError) as exc:
-                    await loop.run_in_executor(self._planner, self._refused, flight, exc)
-            outcome = await loop.run_in_executor(self._learner, self._finish, flight, result)
+                    yield Do(PLANNING, self._refused, (flight, exc))
+            outcome = yield Do(LEARNING, self._finish, (flight, result))
         except RequestCancelled:
             with self._lock:
                 self.cancelled_calls += 1
             raise
         finally:
             self._land(flight)
-        await loop.run_in_executor(self._learner, self.log.emit, outcome)
+        yield Do(LEARNING, self.log.emit, (outcome,))
         return outcome
 
     def _enter(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-               on_token: Callable[[int], None] | None, cancelled: threading.Event | None = None,
-               started: float | None = None) -> _Flight:
+               on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> _Flight:
         """Check the input and ask the strategy, under the lock, what shared context in flight the
-        call should wait for; the call is in flight from here. `started` (now by default): when
-        the call reached the runtime."""
-        call = AgentCall.checked(call, "Runtime.run")
-        sampling = SamplingParams.checked(sampling, "Runtime.run(sampling=...)")
-        if on_token is not None and not callable(on_token):
-            raise InputError(f"Runtime.run(on_token=...) must be callable (it gets each token id) or None, "
-                             f"got {type(on_token).__name__}")
-        if cancelled is not None and not isinstance(cancelled, threading.Event):
-            raise InputError(f"Runtime.run(cancelled=...) must be a threading.Event or None, got {type(cancelled).__name__}")
-        event = DispatchEvent.checked_for(event, call)
-        flight = _Flight(call, event, sampling, on_token, cancelled, time.perf_counter() if started is None else started,
-                         object())
+        call should wait for; the call is in flight from here (`started`: when it reached the runtime)."""
+        flight = _Flight.checked(call, sampling, event, on_token, cancelled, started)
         self._flying.add(flight.ticket)  # set.add and discard are atomic: the count needs no lock of its own
         try:
             with self._lock, torch.inference_mode():
                 flight.locked_s = time.perf_counter() - flight.started  # waiting for other calls' planning or settling
                 if self.anchors is not None:
-                    self.anchors.load(call.tenant)  # once per tenant
-                flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, call)
+                    self.anchors.load(flight.call.tenant)  # once per tenant
+                flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, flight.call)
         except BaseException:
             self._flying.discard(flight.ticket)
             raise
         return flight
 
     def _plan(self, flight: _Flight) -> None:
-        """Plan the call under the lock (after what it awaited is done; the caller lands the flight
-        when this fails)."""
+        """Plan the call under the lock, once what it awaited is done."""
         began = time.perf_counter()
         with self._lock, torch.inference_mode():
             flight.locked_s += time.perf_counter() - began
@@ -221,10 +198,6 @@ class Runtime:
         """The call is settled or failed: no longer in flight."""
         self._flying.discard(flight.ticket)
         self._idle.poke()
-
-    def _lesson_failed(self, name: str, exc: BaseException) -> None:
-        with self._lock:
-            self.corrector.fault("lesson_error", f"learning from a finished call ({name})", exc)
 
     def _submit(self, flight: _Flight) -> Future:
         flight.submitted = time.perf_counter()
@@ -241,36 +214,25 @@ class Runtime:
     def _finish(self, flight: _Flight, result: ExecResult) -> CallResult:
         """The strategy learns from what was served with no lock held (factorizing anchors), then,
         under the lock, settles it; the session keeps the output, CacheScout learns who ran, and the
-        call log keeps the call's figures."""
-        call = flight.call
-        served = Served.of(flight.plan.tokenized, flight.plan.planned, result,
-                           greedy=flight.plan.request.sampling.temperature == 0)
-        try:
-            with torch.inference_mode():
-                prepared = self.corrector.prepare(served)
-        except Exception:  # noqa: BLE001 - settling builds it again and counts what fails there
-            prepared = None
+        call log keeps the call's figures. A fault past the engine costs only what it touched."""
+        call, tokenized, request = flight.call, flight.plan.tokenized, flight.plan.request
+        served = Served.of(tokenized, flight.plan.planned, result, greedy=request.sampling.temperature == 0)
+        prepared, lessons = None, []
+        with _counted(self.corrector, "lesson_error", f"preparing what agent {call.agent!r}'s call teaches", self._lock), \
+                torch.inference_mode():
+            prepared = self.corrector.prepare(served)
         with self._lock, torch.inference_mode():
             self.corrector.settle(served, prepared)
-            try:
+            with _counted(self.corrector, "lesson_error", f"planning what agent {call.agent!r}'s call teaches"):
                 lessons = self.corrector.lessons(served)  # learned later: when idle, or before returning
-            except Exception as exc:  # noqa: BLE001 - the call's result stands
-                self.corrector.fault("lesson_error", f"planning what agent {call.agent!r}'s call teaches", exc)
-                lessons = []
-            reports, tokenized = served.reports(), flight.plan.tokenized
-            prefix = tokenized.fixed_prefix  # the agent's own leading context, for CacheScout
-            try:
+            reports, prefix = served.reports(), tokenized.fixed_prefix  # prefix: the agent's own context, for CacheScout
+            with _counted(self.corrector, "commit_error", f"remembering agent {call.agent!r}'s output for its session"):
                 self.sessions.record_call(call, result.text)
-            except Exception as exc:  # noqa: BLE001 - the call's result stands
-                self.corrector.fault("commit_error", f"remembering agent {call.agent!r}'s output for its session", exc)
             total_s = time.perf_counter() - flight.started  # to the last token, anchors and session included
-            session, namespace = flight.plan.request.session, flight.plan.request.cache_salt  # as planned
-            try:
-                self.scout.observe(call.agent, session, namespace, tokenized.prompt, prefix, result.token_ids,
-                                   call.session)
-            except Exception as exc:  # noqa: BLE001 - learning who runs next never costs the call
-                self.corrector.fault("observe_error", f"observing agent {call.agent!r}'s call for CacheScout", exc)
-            self.scout.after_call(session, namespace, len(self._flying))
+            with _counted(self.corrector, "observe_error", f"observing agent {call.agent!r}'s call for CacheScout"):
+                self.scout.observe(call.agent, request.session, request.cache_salt, tokenized.prompt,
+                                   prefix, result.token_ids, call.session)
+            self.scout.after_call(request.session, request.cache_salt, len(self._flying))
             outcome = CallResult.of(call, flight.event, reports, result, tokenized.prompt,
                                     ttft_s=flight.submitted + result.ttft_s - flight.started,
                                     queued_s=flight.locked_s + result.queued_s, total_s=total_s,
@@ -309,34 +271,29 @@ class Runtime:
         self.log.on_call = sink
 
     def output_segment(self, agent: str, *, session: str | None, tenant: str | None = None) -> Segment:
-        """A PH segment holding `agent`'s latest output in `session` (of `tenant`), for another
-        agent's call in that session. `session` is required: pass None for the default session."""
+        """A PH segment of `agent`'s latest output in `session` (required: None is the default session)."""
         return self.sessions.output_segment(Scope(tenant, session), agent)
 
     def shared_texts(self, session: str | None = None, tenant: str | None = None) -> dict[str, str]:
-        """The shared texts (PH contents and agents' outputs, stripped) seen in `session`, each
-        with its slot: what an adapter can find quoted inside a monolithic prompt."""
+        """Per slot, the shared texts seen in `session`: what an adapter finds quoted in a monolithic prompt."""
         return self.sessions.texts(Scope(tenant, session))
 
     def close(self) -> None:
-        """Let a planned warm-up and the pending learning finish, and save the anchor pools when
-        they persist (call before exiting: the engine's loop is a daemon thread)."""
+        """Let a planned warm-up and pending learning finish and save the anchor pools (call before exiting)."""
         self._closing.set()
         self.scout.wait()
         self._idle.drain(LEARN_TIMEOUT_S)
         self.save_anchors()
 
     def save_anchors(self) -> list[Path]:
-        """Write every tenant's anchor pools and verification records to `anchors_dir`, each
-        tenant's file atomically; the files written (none when the pools do not persist)."""
+        """Write every tenant's anchor pools and verification records to `anchors_dir`; the files written."""
         if self.anchors is None:
             return []
         with self._lock:
             return self.anchors.save()
 
     def sync_anchors(self) -> None:
-        """Exchange anchors with the store now: take in what other instances stored, store what
-        this runtime learned (it also happens every `config.anchor_sync_s`, when idle)."""
+        """Exchange anchors with the store now (it also happens every `config.anchor_sync_s`, when idle)."""
         if self.anchors is not None:
             with self._lock, torch.inference_mode():
                 self.anchors.sync()
@@ -346,8 +303,7 @@ class Runtime:
         self.scout.wait()
 
     def learned(self, timeout: float | None = None) -> bool:
-        """Wait until what the finished calls teach (anchors, verification) has been learned; it is
-        learned while no call is in flight. False when `timeout` passed first."""
+        """Wait until what finished calls teach is learned (while no call is in flight); False on `timeout`."""
         return self._idle.drain(timeout)
 
     def __enter__(self) -> Runtime:
@@ -357,9 +313,8 @@ class Runtime:
         self.close()
 
     def calibrate_gate(self, target_reuse: float, recent: int | None = None) -> float:
-        """Set the correction gate's τ so that the share `target_reuse` of the shared tokens planned
-        so far (a warm-up's; only the latest `recent` segments when given) would have been reused;
-        returns τ. `Strategy(target_reuse=...)` does this by itself after `calibrate_after` segments."""
+        """Set the gate's τ so that the share `target_reuse` of the shared tokens planned so far (the
+        latest `recent` segments) would have been reused; returns τ (`Strategy(target_reuse=...)`)."""
         with self._lock:
             return self.corrector.calibrate(target_reuse, recent)
 
@@ -382,6 +337,26 @@ class Runtime:
         with self._lock:  # one snapshot: calls are recorded under the lock
             summary, calls = self.summary(), self.results
         return self.log.export_json(path, summary, calls)
+
+
+@contextmanager
+def _counted(strategy: SharedContextStrategy, kind: str, what: str, lock: threading.RLock | None = None) -> Iterator[None]:
+    """Count an exception of the block as the strategy's fault `kind` (under `lock`, when given)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - the call's result stands
+        with lock if lock is not None else nullcontext():
+            strategy.fault(kind, what, exc)
+
+
+def _start_anchor_sync(runtime: Runtime) -> threading.Thread | None:
+    """The thread that hands `runtime` an anchor sync every `config.anchor_sync_s` (None: no syncing)."""
+    if runtime.anchors is None or runtime.config.anchor_sync_s is None:
+        return None
+    thread = threading.Thread(target=_sync_anchors_every, name="agentcache-anchor-sync", daemon=True,
+                              args=(weakref.ref(runtime), runtime.config.anchor_sync_s, runtime._closing))
+    thread.start()
+    return thread
 
 
 def _sync_anchors_every(runtime: "weakref.ref[Runtime]", seconds: float, closing: threading.Event) -> None:

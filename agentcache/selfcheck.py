@@ -6,7 +6,7 @@
    edge with two anchors is corrected) beside dense prefill; corrected shared-segment KV must
    be closer to the dense KV than the raw aligned reuse is.
 
-The probe drives calls through `agentcache.calls` and the corrector on fresh engines over the
+The probe drives calls through `agentcache.calls` and a strategy on fresh engines over the
 same weights, below the Runtime: a Runtime runs this check (`check_model`, the one entry point)
 before it trusts reuse, or takes a report of it.
 """
@@ -17,7 +17,7 @@ import logging
 from dataclasses import asdict, dataclass
 
 from agentcache.calls import plan_call
-from agentcache.correction.corrector import Corrector
+from agentcache.correction import SharedContextStrategy, make_strategy
 from agentcache.correction.plan import Served
 from agentcache.correction.strategies import STRATEGIES, Strategy
 from agentcache.engine.precision import exactness_tolerance
@@ -82,15 +82,17 @@ def _rope_error(engine: Engine) -> float:
     return relative_error(engine.realign(early, late.start).keys[0], late.keys[0])
 
 
-_PROBE_BYTES = 2**28  # anchor pools and source store of a probe corrector
+_PROBE_BYTES = 2**28  # anchor pools and source store of a probe strategy
 
 
-def _probe_call(engine: Engine, corrector: Corrector, call: AgentCall) -> tuple[Served, str]:
-    """One probe call end to end (plan, execute, settle), one token generated; what it served, and
-    the decision on its shared segment."""
-    plan = plan_call(engine, corrector, call, SamplingParams(max_tokens=1), runtime_id="selfcheck")
+def _probe_call(engine: Engine, strategy: SharedContextStrategy, call: AgentCall) -> tuple[Served, str]:
+    """One probe call end to end (plan, execute, settle, learn at once), one token generated; what
+    it served, and the decision on its shared segment."""
+    plan = plan_call(engine, strategy, call, SamplingParams(max_tokens=1), runtime_id="selfcheck")
     served = Served.of(plan.tokenized, plan.planned, engine.execute(plan.request))
-    corrector.settle(served)
+    strategy.settle(served, strategy.prepare(served))
+    for lesson in strategy.lessons(served):
+        lesson.apply(lesson.study())
     return served, served.reports()[1].decision
 
 
@@ -109,9 +111,9 @@ def check_model(engine: Engine, tolerance: float | None = None) -> CheckReport:
                            f"(tolerance {tolerance:.1e} in {engine.layout.dtype})", rope, None, None, 0)
 
     reuse_engine, dense_engine = engine.fresh(), engine.fresh()
-    reuse = Corrector(reuse_engine, STRATEGIES["kvcmas_entropy"].replace(tau=1.0), _PROBE_BYTES,
-                      _PROBE_BYTES)  # the gate open: every edge with two anchors is corrected
-    dense = Corrector(dense_engine, STRATEGIES["nonshared"], _PROBE_BYTES, _PROBE_BYTES)
+    reuse = make_strategy(reuse_engine, STRATEGIES["kvcmas_entropy"].replace(tau=1.0), _PROBE_BYTES,
+                          _PROBE_BYTES)  # the gate open: every edge with two anchors is corrected
+    dense = make_strategy(dense_engine, STRATEGIES["nonshared"], _PROBE_BYTES, _PROBE_BYTES)
     corrected, raw = [], []
     for query in _PROBE_QUERIES:
         for agent, system in _PROBE_AGENTS.items():

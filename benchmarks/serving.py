@@ -142,8 +142,9 @@ class Trajectories:
         if point is None:
             return
         with self._lock:
-            point.peak_anchor_bytes = max(point.peak_anchor_bytes, corrector.bank.nbytes)
-            point.peak_store_bytes = max(point.peak_store_bytes, corrector.store.nbytes)
+            held = corrector.held_bytes()
+            point.peak_anchor_bytes = max(point.peak_anchor_bytes, held["anchor_bytes"])
+            point.peak_store_bytes = max(point.peak_store_bytes, held["store_bytes"])
 
     def one(self, session: str, document: str) -> list[CallResult]:
         rt, results = self.runtime, []

@@ -110,7 +110,7 @@ def measure(make_engine, length: int, rounds: int, warmup: int, open_gate: bool,
             "prefill_tokens_per_call": statistics.fmean(r.prefill_tokens for r in timed[name]),
             "reuse_ratio": figures["reuse_ratio"],
             "fallback_reasons": figures["fallback_reasons"],
-            "anchor_build_s": runtimes[name].corrector.anchor_build_s,
+            "anchor_build_s": runtimes[name].summary()["anchor_build_s"],
             "tau": strategies[name].tau,
         }
     base = rows["nonshared"]["hop_ttft_s"]

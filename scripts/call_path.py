@@ -7,12 +7,13 @@ session table, the figures, CacheScout), or "input" for the argument checks each
 each stop itself calls (its excursions). Consecutive stops in one part count once. The path
 the runtime's story should read is printed beside it, with every return to a part already left.
 
-    .venv/bin/python scripts/call_path.py [--strategy kvcmas] [--warmup]
+    .venv/bin/python scripts/call_path.py [--strategy kvcmas] [--warmup] [--deep | --files]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import threading
@@ -95,6 +96,43 @@ def deep_trace(run: Callable[[], object]) -> list[str]:
     return parts
 
 
+def file_trace(run: Callable[[], object]) -> list[str]:
+    """The module of every function of the package (the engine's inside excepted: it is one stop)
+    called on this thread while `run` runs, at any depth, consecutive repeats once: the
+    file-by-file way of the call."""
+    files: list[str] = []
+    resumed: set[int] = set()  # generator frames already entered: a resume is not a new stop
+
+    def profile(frame, event, arg):
+        if event == "call" and not _plumbing(frame, resumed):
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("agentcache.engine"):
+                module = "agentcache.engine"
+            if module.startswith("agentcache") and (not files or files[-1] != module):
+                files.append(module)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def _plumbing(frame, resumed: set[int]) -> bool:
+    """Calls that do no work of their own: a record's generated or dunder method, a property, a
+    lambda or comprehension, a generator resumed."""
+    code = frame.f_code
+    if code.co_flags & inspect.CO_GENERATOR:
+        if id(frame) in resumed:
+            return True
+        resumed.add(id(frame))
+    if code.co_name.startswith("<") or (code.co_name.startswith("__") and code.co_name.endswith("__")):
+        return True
+    owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
+    return isinstance(inspect.getattr_static(type(owner), code.co_name, None), property)
+
+
 def path(stops: list[tuple[str, str, list[str]]], ignore: tuple[str, ...] = ("salts",)) -> list[str]:
     """The parts in the order the runtime visits them, consecutive repeats once."""
     out: list[str] = []
@@ -120,6 +158,8 @@ def main() -> None:
     parser.add_argument("--strategy", default="kvcmas")
     parser.add_argument("--warmup", action="store_true")
     parser.add_argument("--deep", action="store_true", help="every module the call passes through, at any depth")
+    parser.add_argument("--files", action="store_true",
+                        help="every file of the package the call passes through (the engine as one), at any depth")
     args = parser.parse_args()
 
     from agentcache import Runtime, RuntimeConfig, SamplingParams
@@ -136,6 +176,12 @@ def main() -> None:
     for agent in ("planner", "critic"):  # the query gets a source, then the traced call reuses it
         rt.run(call(agent), SamplingParams(max_tokens=2))
     event = DispatchEvent(agent="writer", framework="runtime")
+    if args.files:
+        files = file_trace(lambda: rt.run(call("writer"), SamplingParams(max_tokens=2), event=event))
+        entries = {module: files.count(module) for module in dict.fromkeys(files)}
+        print(json.dumps({"strategy": rt.strategy.name, "stops": len(files), "files": len(entries),
+                          "returns": len(returns(files)), "entries": entries, "path": " -> ".join(files)}, indent=2))
+        return
     if args.deep:
         parts = deep_trace(lambda: rt.run(call("writer"), SamplingParams(max_tokens=2), event=event))
         print(json.dumps({"strategy": rt.strategy.name, "stops": len(parts), "parts": len(set(parts)),

@@ -35,7 +35,7 @@ def test_calibrated_tau_accepts_the_lowest_entropies_up_to_the_target_share():
 
 
 def replay(segments, target: float, *, controlled: bool = True, start: int = 4, scored_from: int = 0) -> float:
-    """Run a gate over recorded (entropy, tokens) segments as `Corrector` does: τ read after `start`
+    """Run a gate over recorded (entropy, tokens) segments as `acceptance.EntropyGate` does: τ read after `start`
     segments, then (when `controlled`) following every segment. Returns the reuse ratio in tokens
     over the segments from `scored_from` on."""
     seen, control, reused, eligible = [], None, 0, 0

@@ -64,7 +64,7 @@ def test_the_audit_catches_the_correction_that_crashed_on_cuda(monkeypatch):
     assert runtime.summary()["ph_decisions"].get("corrected", 0) > 0  # the correction ran
     assert fixed.clean, fixed.report()
 
-    monkeypatch.setattr("agentcache.correction.corrector.interpolation_weights", namespace["interpolation_weights"])
+    monkeypatch.setattr("agentcache.correction.corrections.interpolation_weights", namespace["interpolation_weights"])
     with DeviceAudit() as broken:
         _workflows(_engine("tiny-llama", "float32"), gate_open, problems=3)
     assert any("correction/matching.py" in where and "interpolation_weights(torch.full)" in where

@@ -14,6 +14,7 @@ from agentcache.correction import replays
 from agentcache.correction import verification as verification_module
 from agentcache.correction.costs import PRIOR_BREAK_EVEN, Continuations, CostModel, OnlineLine
 from agentcache.correction.persist import pools_path
+from agentcache.correction.records import Edge
 from agentcache.correction.strategies import STRATEGIES
 from agentcache.correction.verification import (FIRST_AUDIT_GAP, MAX_AUDIT_GAP, EdgeRecord, Verdict,
                                                 Verification, compare_outputs)
@@ -73,7 +74,7 @@ def test_an_edge_serves_a_method_only_while_all_its_verdicts_agree():
 
 
 def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does_not():
-    verification, edge = Verification(), (None, "query", "a", "b", True)
+    verification, edge = Verification(), Edge(None, "query", "a", "b", True, 0)
     assert not verification.audit_due(edge)  # an edge never verified is not served: nothing to audit
     for _ in range(verification_module.MIN_VERDICTS):
         verification.record(edge, [Verdict("raw", True, 0.0, 4)])
@@ -218,7 +219,7 @@ def test_reuse_is_served_only_on_edges_whose_shadow_runs_agreed(preset):
     served = 0
     for seed in range(5):
         query = long_query(rt, seed)
-        chosen = {edge[2:4]: record.choice(can_correct=True) for edge, record in rt.corrector.verification.edges.items()
+        chosen = {(edge.source, edge.consumer): record.choice(can_correct=True) for edge, record in rt.corrector.verification.edges.items()
                   if record.choice(can_correct=True) is not None}
         for got in chain(rt, query):
             segment = got.segments[1]
@@ -321,7 +322,7 @@ def test_a_new_runtime_warm_starts_from_the_saved_pools_and_verdicts(tmp_path):
     for result in got[1:]:
         segment = result.segments[1]
         if segment.decision in ("reused", "corrected"):
-            assert any(edge[2:4] == (segment.source, result.agent) and choice for edge, choice in choices.items())
+            assert any((edge.source, edge.consumer) == (segment.source, result.agent) and choice for edge, choice in choices.items())
     assert second.summary()["reused_tokens"] > 0 or not any(choices.values())
 
 
@@ -332,10 +333,10 @@ def test_one_tenants_file_never_reaches_another_tenant(tmp_path):
     second = Runtime(base.fresh(), strategy="kvcmas", config=DETERMINISTIC, anchors_dir=tmp_path)
     chain(second, long_query(second, 5), tenant="globex")
     assert second.summary()["anchors_loaded"] == 0 and not any(
-        edge[0] == "acme" for edge in second.corrector.verification.edges)
+        edge.tenant == "acme" for edge in second.corrector.verification.edges)
     assert set(second.anchors.loaded) == {None, "globex"}
     chain(second, long_query(second, 6), tenant="acme")
-    assert "acme" in second.anchors.loaded and any(edge[0] == "acme" for edge in second.corrector.verification.edges)
+    assert "acme" in second.anchors.loaded and any(edge.tenant == "acme" for edge in second.corrector.verification.edges)
     assert second.anchors.loaded["acme"] == first.summary()["anchors"]
 
 

@@ -50,7 +50,7 @@ def test_any_exception_while_planning_falls_back_to_dense_and_drops_the_source(m
     def broken(*args, **kwargs):
         raise KeyError("a table the planner expected")
 
-    monkeypatch.setattr(rt.corrector, "_correct", broken)
+    monkeypatch.setattr(rt.corrector, "correct", broken)
     got = rt.run(role_call("local", query), ONE)
     want = dense.run(role_call("local", query), ONE)
     assert (got.segments[1].decision, got.segments[1].reason) == ("fallback", "error")
@@ -71,7 +71,7 @@ def test_a_failing_anchor_build_loses_only_the_anchor(monkeypatch):
     def broken(*args, **kwargs):
         raise IndexError("factorization blew up")
 
-    monkeypatch.setattr("agentcache.correction.corrector.factorize", broken)
+    monkeypatch.setattr("agentcache.correction.corrections.factorize", broken)
     anchors = rt.corrector.bank.num_anchors
     result = rt.run(role_call("local", query), SamplingParams(max_tokens=3))  # falls back: few anchors
     assert result.segments[1].reason == "few_anchors" and len(result.token_ids) == 3  # the finished result stands

@@ -415,7 +415,7 @@ def test_model_digest_names_the_weights():
 
 def test_model_digest_of_a_model_directory(tmp_path):
     def directory_engine(path):
-        return SimpleNamespace(model_name="m", layout=LAYOUT, vocab_size=320, model_directory=path)
+        return SimpleNamespace(model_name="m", layout=LAYOUT, vocab_size=320, weights=path)
 
     one = tmp_path / "one"
     one.mkdir()
@@ -433,4 +433,4 @@ def test_model_digest_of_a_model_directory(tmp_path):
     with pytest.raises(InputError, match="no weight files"):
         model_digest(directory_engine(copy))
     with pytest.raises(InputError, match="cannot persist anchors"):
-        model_digest(SimpleNamespace(model_name="m", layout=LAYOUT, vocab_size=320))
+        model_digest(SimpleNamespace(model_name="m", layout=LAYOUT, vocab_size=320, weights=None))

@@ -477,11 +477,11 @@ def test_the_non_chained_reference_prefill_runs_as_a_real_request_not_a_warm_up(
 def test_new_anchors_are_factorized_with_no_runtime_lock_held(runtime):
     """Factorizing is the slow part of a commit: concurrent calls must be able to plan meanwhile."""
     rt = runtime("kvcmas", tau=0.0)  # the gate shut: every eligible segment falls back and teaches
-    held, prepare = [], rt.corrector.prepare_anchor
+    held, prepare = [], rt.corrector.learner.prepare_anchor
     def spy(*args, **kwargs):
         held.append(rt._lock._is_owned())
         return prepare(*args, **kwargs)
-    rt.corrector.prepare_anchor = spy
+    rt.corrector.learner.prepare_anchor = spy
     warm(rt, rounds=2)
     assert held and not any(held)
     assert rt.corrector.bank.num_anchors > 0 and rt.summary()["anchor_build_s"] > 0

@@ -12,6 +12,8 @@ import pytest
 from agentcache.correction.anchor_store import AnchorStore, DirectoryStore, Stored
 from agentcache.correction.anchors import AnchorBank
 from agentcache.correction.persist import blob_name, load_pools, save_pools
+from agentcache.correction.plan import Learned
+from agentcache.correction.records import Edge
 from agentcache.errors import InputError
 from agentcache.runtime import Runtime, RuntimeConfig
 from tests.conftest import make_engine
@@ -190,7 +192,7 @@ def test_live_instances_exchange_anchors_and_the_tenant_boundary_holds(tmp_path)
     assert acme_a and acme_a == acme_b and b.summary()["anchors_pulled"] > 0
     assert not _uids(a.corrector.bank, "globex")  # a never served globex: it holds none of its anchors
     assert _uids(b.corrector.bank, "globex").isdisjoint(acme_a)
-    assert not any(edge[0] == "globex" for edge in a.corrector.verification.edges)
+    assert not any(edge.tenant == "globex" for edge in a.corrector.verification.edges)
     saves = a.summary()["anchor_saves"]
     a.sync_anchors()  # nothing new anywhere: nothing written
     assert a.summary()["anchor_saves"] == saves
@@ -226,7 +228,7 @@ def test_bad_anchor_sync_settings_are_refused():
 
 
 class _Strategy:
-    """What AnchorFiles needs of a corrector: its bank, verification records, settings and faults."""
+    """What AnchorFiles needs of a strategy: its bank, verification records, settings and faults."""
 
     def __init__(self, capacity: int) -> None:
         from agentcache.correction.verification import Verification
@@ -245,7 +247,8 @@ def _files_over(store, capacity: int = 10):
     from tests.test_persist import LAYOUT
 
     strategy = _Strategy(capacity)
-    return AnchorFiles(store, DIGEST, strategy, "cpu", LAYOUT), strategy
+    learned = Learned(strategy.bank, strategy.verification, strategy.strategy)
+    return AnchorFiles(store, DIGEST, learned, strategy.fault, "cpu", LAYOUT), strategy
 
 
 def test_a_sync_never_brings_back_an_anchor_the_bank_evicted(tmp_path):
@@ -271,7 +274,7 @@ def test_a_disagreement_one_instance_finds_reaches_the_other():
     store = DictStore()
     (a, sa), (b, sb) = _files_over(store), _files_over(store)
     a.load(None), b.load(None)  # as a runtime starts
-    edge = (None, "query", "planner", "writer", True, 0)
+    edge = Edge(None, "query", "planner", "writer", True, 0)
     for _ in range(WINDOW):
         sa.verification.record(edge, [Verdict("corrected", True, 0.001, 8)])
     _fill(sa.bank, None, seed=0, anchors=1)

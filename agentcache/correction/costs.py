@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Continuations", "CostModel", "OnlineLine", "PRIOR_BREAK_EVEN", "MARGIN"]
+__all__ = ["Continuations", "CostModel", "FreeReuse", "OnlineLine", "PRIOR_BREAK_EVEN", "MARGIN"]
 
 PRIOR_BREAK_EVEN = 64  # tokens: reuse work is worth it from here until the lines are fitted
 MARGIN = 2.0  # a reuse must save at least this many times what it costs
@@ -137,6 +137,29 @@ class CostModel:
         self.skipped_segments += 1
         self.skipped_tokens += tokens
 
+    # --- the cost gate of a strategy -------------------------------------------------------
+
+    def worth_reusing(self, tokens: int, lost: float = 0.0) -> bool:
+        """`worth`, counting a segment it turns away."""
+        if self.worth(tokens, lost):
+            return True
+        self.skipped(tokens)
+        return False
+
+    def kept_for_next_call(self, call) -> int:
+        """How many of this call's prompt tokens (a `TokenizedCall`) the agent's next call in the
+        session is expected to find in the prefix cache if this call is served exactly."""
+        scope = call.scope
+        return int(self.continuations.observe(scope.tenant, scope.session, call.agent, call.prompt) * len(call.prompt))
+
+    def observe_call(self, served) -> None:
+        """Time a served call's prefill (a `Served`) and its reused segments' planning."""
+        result = served.result
+        self.observe_prefill(result.computed_tokens, max(0.0, result.ttft_s - result.queued_s))
+        for decision in served.decisions.values():
+            if decision.reused:
+                self.observe_reuse(decision.covered, decision.plan_s)
+
     def break_even(self) -> int | None:
         """The fewest tokens worth reuse work now (None: none are)."""
         for tokens in (1 << k for k in range(16)):
@@ -155,3 +178,21 @@ class CostModel:
             reuse_fixed_s=reuse[0] if reuse else None, reuse_s_per_token=reuse[1] if reuse else None,
             break_even_tokens=self.break_even(), not_worth_segments=self.skipped_segments,
             not_worth_tokens=self.skipped_tokens)
+
+
+class FreeReuse:
+    """The baselines' cost gate: every shared segment is worth reuse, whatever it costs."""
+
+    def worth(self, tokens: int, lost: float = 0.0) -> bool:
+        return True
+
+    worth_reusing = worth
+
+    def kept_for_next_call(self, call) -> int:
+        return 0
+
+    def observe_call(self, served) -> None:
+        pass
+
+    def figures(self) -> dict:
+        return {}

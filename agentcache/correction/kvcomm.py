@@ -1,6 +1,6 @@
 """KVCOMM's reference procedure as a strategy (`kvcomm`), beside agentcache's own construction.
 
-What it does differently from `Corrector` (KVCOMM's `kvcomm_engine.py` and `gpt_chat.py`):
+What it does differently from `KVCMAS` (KVCOMM's `kvcomm_engine.py` and `gpt_chat.py`):
 
 - One gate per shared segment (per source cache, the "message"), made when the segment is first
   needed: value distances to the anchors of its pool that cover the whole segment, softmax at
@@ -26,7 +26,7 @@ What it does differently from `Corrector` (KVCOMM's `kvcomm_engine.py` and `gpt_
   consumer's prompt (at most 8 tokens) in front of it, after BOS, as KVCOMM puts the chat
   template's user-turn header.
 
-Every fault falls back to dense prefill, as in `Corrector`.
+Every fault falls back to dense prefill, as in every strategy (`sourced`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ from types import MappingProxyType
 
 import torch
 
+from agentcache.correction.anchored import AnchoredStrategy
 from agentcache.correction.anchors import Anchor, Correction
-from agentcache.correction.corrector import Corrector, PreparedAnchor, _fits
+from agentcache.correction.corrections import fits
 from agentcache.correction.lowrank import Factors, as_rows, from_rows
 from agentcache.correction.matching import gate_distances, gate_weights, normalized_entropy
 from agentcache.correction.plan import Piece, Planned, PHDecision, Served, TokenizedCall
+from agentcache.correction.records import NewAnchor, Prepared, PreparedAnchor
 from agentcache.correction.sources import REFERENCE
 from agentcache.correction.store import Materialization
 from agentcache.engine.kv import SegmentKV, all_finite, joined
@@ -52,7 +54,7 @@ from agentcache.engine.protocol import ExecRequest, SamplingParams, SegmentPlan,
 from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["KVCommCorrector", "KVCommDetail", "GlueWeights", "Verdict", "token_weights", "channel_weights",
+__all__ = ["KVComm", "KVCommDetail", "GlueWeights", "Verdict", "token_weights", "channel_weights",
            "credited", "header_lead_in", "TOP_P"]
 
 TOP_P = 0.9  # a passed gate credits the anchors holding this share of its weight
@@ -135,8 +137,8 @@ def header_lead_in(engine, preceding: Sequence[int]) -> list[int]:
     return lead[:1] + lead[1:][-HEADER_TOKENS:]
 
 
-class KVCommCorrector(Corrector):
-    """The `Corrector` of strategies with `kvcomm_procedure` (see the module's description)."""
+class KVComm(AnchoredStrategy):
+    """KVCOMM's reference procedure (see the module's description)."""
 
     def __init__(self, engine, strategy, anchor_bytes: int, store_bytes: int) -> None:
         super().__init__(engine, strategy, anchor_bytes, store_bytes)
@@ -224,18 +226,14 @@ class KVCommCorrector(Corrector):
                 offset += len(call.token_lists[j])
         return injected
 
-    def lessons(self, served: Served) -> list:
-        return []  # the reference procedure learns right after each call (`prepare`)
-
-    def _accepts(self, scope: Scope, agent: str, slot: str, source: Materialization, after: int = 0) -> tuple[None, None]:
-        return None, None  # its own gate decides in `_correct`
-
-    def prepare(self, served: Served) -> dict[int, PreparedAnchor | None]:
-        """The anchor corrections the call's dense prefill teaches, segment and template text alike."""
+    def prepare(self, served: Served) -> Prepared:
+        """The anchor corrections the call's dense prefill teaches, segment and template text alike
+        (the reference procedure learns right after each call; its gate decides in `correct`)."""
         glue = self._glue(served)
-        return {index: self.prepare_anchor(served.call.agent, tokens, decision, kv, kv is not None and kv.exact,
-                                           glue=glue.get(index))
-                for index, _, tokens, decision, _, kv in served.shared()}
+        anchors = {index: self.prepare_anchor(served.call.agent, tokens, decision, kv, kv is not None and kv.exact,
+                                              glue=glue.get(index))
+                   for index, _, tokens, decision, _, kv in served.shared()}
+        return Prepared(MappingProxyType({index: a for index, a in anchors.items() if a is not None}))
 
     def _glue(self, served: Served) -> dict[int, tuple]:
         """Per anchor segment the call learns from: its template text's tokens, dense KV and template KV."""
@@ -259,8 +257,8 @@ class KVCommCorrector(Corrector):
 
     # --- one shared segment ----------------------------------------------------------------
 
-    def _correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV,
-                 start: int = 0) -> PHDecision:
+    def correct(self, scope: Scope, agent: str, slot: str, source: Materialization, aligned: SegmentKV,
+                start: int = 0) -> PHDecision:
         pool_key = (scope.tenant, slot)
         length = aligned.length
         gate_started = time.perf_counter()
@@ -274,7 +272,7 @@ class KVCommCorrector(Corrector):
         layout = self.engine.layout
         candidates = []
         for anchor in self.bank.candidates(pool_key, source.agent, agent):
-            if not _fits(anchor, layout.num_layers, layout.num_kv_heads * layout.head_dim):
+            if not fits(anchor, layout):
                 self.fault("bad_anchor", f"dropping anchor {anchor.source_id} of slot {slot!r}: its shapes do not "
                            f"fit {self.engine.model_name}")
                 self.bank.drop(pool_key, anchor)
@@ -296,7 +294,7 @@ class KVCommCorrector(Corrector):
             corrected.append(from_rows(rows.to(layout.dtype), layout.num_kv_heads))
             glue[part] = channel_weights(real, bases)
         if not all_finite(*corrected):
-            self._drop_non_finite(pool_key, candidates)
+            self.drop_non_finite(pool_key, candidates)
             return PHDecision("fallback", reason="nonfinite", source=source, entropy=verdict.entropy, setup_s=gate_s)
         return PHDecision("corrected", source=source, covered=length,
                           inject=SegmentKV(corrected[0], corrected[1], start), entropy=verdict.entropy, setup_s=gate_s,
@@ -318,7 +316,7 @@ class KVCommCorrector(Corrector):
             values = as_rows(aligned.values).float()  # (L, T, F): values carry no position
             distances = gate_distances(values, [a.values for a in covering], length)
             if not bool(torch.isfinite(distances).all()):
-                self._drop_non_finite(pool_key, covering)
+                self.drop_non_finite(pool_key, covering)
                 raise FloatingPointError("non-finite gate distances")
             weights = gate_weights(distances, self.strategy.temperature, self.strategy.gate_scale)
             entropy = normalized_entropy(weights)
@@ -390,7 +388,7 @@ class KVCommCorrector(Corrector):
 
     # --- after a call ---------------------------------------------------------------------
 
-    def _credit_uses(self, decision: PHDecision) -> None:
+    def credit_uses(self, decision: PHDecision) -> None:
         """Credited when the gate passes a segment (`_verdict`), not per consumer."""
 
     def prepare_anchor(self, agent: str, token_ids: Sequence[int], decision: PHDecision, kv: SegmentKV | None,
@@ -426,11 +424,11 @@ class KVCommCorrector(Corrector):
                 return None
             correction = Correction(Factors(delta_k.clone(), None), Factors(delta_v.clone(), None),
                                     glue_tokens=tuple(glue_tokens), glue_keys=glue_k, glue_values=glue_v)
-            args = (decision.source.id, decision.source.agent, Factors(base_k.clone(), None),
-                    Factors(base_v.clone(), None), agent, correction)
+            anchor = NewAnchor(decision.source.id, decision.source.agent, Factors(base_k.clone(), None),
+                               Factors(base_v.clone(), None), agent, correction)
         except Exception as exc:  # noqa: BLE001 - a fault here costs one anchor, never the call
             return PreparedAnchor(None, time.perf_counter() - started, exc)
-        return PreparedAnchor(args, time.perf_counter() - started)
+        return PreparedAnchor(anchor, time.perf_counter() - started)
 
 
 def _learns(decision: PHDecision) -> bool:

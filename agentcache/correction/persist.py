@@ -37,7 +37,7 @@ import re
 import time
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -46,6 +46,7 @@ from safetensors.torch import save as save_tensors
 from agentcache.correction.anchor_store import AnchorStore, DirectoryStore, Stored, open_store
 from agentcache.correction.anchors import Anchor, AnchorBank, Correction
 from agentcache.correction.lowrank import Factors
+from agentcache.correction.plan import Learned, SharedContextStrategy
 from agentcache.correction.strategies import Strategy
 from agentcache.correction.verification import Verification
 from agentcache.errors import InputError
@@ -537,10 +538,13 @@ class AnchorFiles:
     holds the lock that guards the strategy. Store errors (I/O, a refused blob) are counted as
     faults and cost only the exchange: calls go on with the anchors the bank holds."""
 
-    def __init__(self, store: AnchorStore, digest: str, strategy: Any, device: Any, layout: Any) -> None:
+    def __init__(self, store: AnchorStore, digest: str, learned: Learned, fault: Callable[..., None], device: Any,
+                 layout: Any) -> None:
+        """`learned`: the strategy's pools, records and settings; `fault(kind, what, exc)`: counts a fault."""
         self.store = store
         self.digest = digest
-        self.strategy = strategy  # a Corrector: .bank, .verification, .strategy, .fault
+        self.learned = learned
+        self.fault = fault
         self.device = device
         self.layout = layout
         self.loaded: dict[str | None, int] = {}  # tenant -> anchors loaded at its first call
@@ -554,7 +558,7 @@ class AnchorFiles:
 
     @classmethod
     def open(cls, where: str | os.PathLike[str] | AnchorStore | None, engine: Any,
-             strategy: Any) -> "AnchorFiles | None":
+             strategy: SharedContextStrategy) -> "AnchorFiles | None":
         """The blobs of `strategy` over `engine`'s model in `where` (a directory or an AnchorStore);
         None when there is no store, or the strategy learns no anchors (nothing to persist)."""
         if where is None:
@@ -563,10 +567,11 @@ class AnchorFiles:
             raise InputError(f"Runtime(anchors_dir=...) must be a directory path or an AnchorStore, "
                              f"got {type(where).__name__}")
         store = open_store(where)
-        if getattr(strategy, "bank", None) is None or not (strategy.strategy.reuse and strategy.strategy.correct):
-            log.info("strategy %s learns no anchors: nothing persists in %s", strategy.strategy.name, store.location)
+        learned = strategy.learned()
+        if learned is None:
+            log.info("strategy %s learns no anchors: nothing persists in %s", type(strategy).__name__, store.location)
             return None
-        return cls(store, model_digest(engine), strategy, engine.layout.device, engine.layout)
+        return cls(store, model_digest(engine), learned, strategy.fault, engine.layout.device, engine.layout)
 
     def load(self, tenant: str | None) -> None:
         """Load `tenant`'s blob once. The default tenant's refusal is raised (it is loaded when the
@@ -580,9 +585,9 @@ class AnchorFiles:
         except InputError as exc:
             if tenant is None:
                 raise
-            self.strategy.fault("anchor_file_refused", "a tenant's anchor file; the tenant starts cold", exc)
+            self.fault("anchor_file_refused", "a tenant's anchor file; the tenant starts cold", exc)
         except OSError as exc:
-            self.strategy.fault("anchor_store_error", f"reading the anchors store {self.store.location}", exc)
+            self.fault("anchor_store_error", f"reading the anchors store {self.store.location}", exc)
         self._pushed[tenant] = self._signature(tenant)  # what was loaded needs no saving back
 
     def sync(self) -> None:
@@ -594,14 +599,14 @@ class AnchorFiles:
                 try:
                     self.pulled += self._pull(tenant)
                 except InputError as exc:  # this instance's own anchors are still saved
-                    self.strategy.fault("anchor_file_refused", "a tenant's anchor file; its anchors are not used",
+                    self.fault("anchor_file_refused", "a tenant's anchor file; its anchors are not used",
                                         exc)
                 if unchanged:  # nothing of its own to add to what it just read
                     self._pushed[tenant] = self._signature(tenant)
                 else:
                     self._save(tenant)
             except (OSError, InputError) as exc:
-                self.strategy.fault("anchor_store_error", f"exchanging anchors with {self.store.location}", exc)
+                self.fault("anchor_store_error", f"exchanging anchors with {self.store.location}", exc)
 
     def save(self) -> list[Path | PurePosixPath]:
         """Store every tenant's pools; where each went (a tenant whose save fails is counted as a
@@ -611,7 +616,7 @@ class AnchorFiles:
             try:
                 where = self._save(tenant)
             except (OSError, InputError) as exc:
-                self.strategy.fault("anchor_store_error", f"saving anchors to {self.store.location}", exc)
+                self.fault("anchor_store_error", f"saving anchors to {self.store.location}", exc)
                 continue
             if where is not None:
                 written.append(where)
@@ -622,13 +627,13 @@ class AnchorFiles:
                     anchors_pulled=self.pulled, anchor_saves=self.pushes)
 
     def _tenants(self) -> set[str | None]:
-        tenants = ({_tenant_of(key) for key in self.strategy.bank.pools}
-                   | {edge[0] for edge in self.strategy.verification.edges})
+        tenants = ({_tenant_of(key) for key in self.learned.bank.pools}
+                   | {edge.tenant for edge in self.learned.verification.edges})
         return {t for t in tenants if t is not _NO_TENANT}
 
     def _known_uids(self, tenant: str | None) -> OrderedDict[str, None]:
         known = self._known.setdefault(tenant, OrderedDict())
-        for key, pool in self.strategy.bank.pools.items():
+        for key, pool in self.learned.bank.pools.items():
             if _tenant_of(key) == tenant:
                 for anchor in pool.anchors.values():
                     known[anchor.uid] = None
@@ -646,17 +651,17 @@ class AnchorFiles:
             return 0
         self._seen[tenant] = current.version
         edges: list = []
-        added = add_stored(self.strategy.bank, current, _where(self.store, name), model_digest=self.digest,
-                           strategy=self.strategy.strategy, tenant=tenant, layout=self.layout, device=self.device,
+        added = add_stored(self.learned.bank, current, _where(self.store, name), model_digest=self.digest,
+                           strategy=self.learned.settings, tenant=tenant, layout=self.layout, device=self.device,
                            edges=edges, known=self._known_uids(tenant))
-        self.strategy.verification.load_json(tenant, edges, replace=False)  # checked by add_stored
+        self.learned.verification.load_json(tenant, edges, replace=False)  # checked by add_stored
         return added
 
     def _save(self, tenant: str | None) -> Path | PurePosixPath | None:
         signature = self._signature(tenant)
         self._known_uids(tenant)  # what it stores now it has held
-        where = save_pools(self.strategy.bank, self.store, model_digest=self.digest, strategy=self.strategy.strategy,
-                           tenant=tenant, edges=self.strategy.verification.to_json(tenant))
+        where = save_pools(self.learned.bank, self.store, model_digest=self.digest, strategy=self.learned.settings,
+                           tenant=tenant, edges=self.learned.verification.to_json(tenant))
         self._pushed[tenant] = signature
         self.pushes += where is not None
         return where
@@ -665,7 +670,7 @@ class AnchorFiles:
         """What of `tenant`'s a save would write, but for the anchors' use counts (they change on
         every use) and the corrections' contents (a consumer's correction is replaced only by a
         newer observation of the same edge)."""
-        anchors = sorted((a.uid, tuple(sorted(a.corrections))) for key, pool in self.strategy.bank.pools.items()
+        anchors = sorted((a.uid, tuple(sorted(a.corrections))) for key, pool in self.learned.bank.pools.items()
                          if _tenant_of(key) == tenant for a in pool.anchors.values())
-        edges = json.dumps(self.strategy.verification.to_json(tenant), sort_keys=True)
+        edges = json.dumps(self.learned.verification.to_json(tenant), sort_keys=True)
         return tuple(anchors), hashlib.blake2b(edges.encode(), digest_size=16).digest()

@@ -20,6 +20,8 @@ from types import MappingProxyType
 
 import torch
 
+from agentcache.correction.anchors import AnchorBank
+from agentcache.correction.records import Prepared
 from agentcache.correction.store import Materialization
 from agentcache.engine.kv import SegmentKV, joined, joined_hidden
 from agentcache.engine.protocol import ExecResult, SegmentOutcome, SegmentPlan
@@ -29,7 +31,8 @@ from agentcache.isolation import Scope
 from agentcache.metrics import SegmentReport
 from agentcache.segments import Segment
 
-__all__ = ["TokenizedCall", "PHDecision", "Piece", "Planned", "Served", "SharedContextStrategy"]
+__all__ = ["TokenizedCall", "PHDecision", "Piece", "Planned", "Served", "SharedContextStrategy", "Learned",
+           "common_figures"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,23 @@ def _as_served(decisions: Mapping[int, PHDecision], outcomes: list[list[SegmentO
     return served
 
 
+@dataclass(frozen=True)
+class Learned:
+    """What a strategy learns that outlives the process (`correction.persist`): its anchor pools,
+    its edges' verification records, and the settings they were learned under."""
+
+    bank: AnchorBank
+    verification: object  # a `verification.Verification`
+    settings: object  # the `strategies.Strategy`
+
+
+def common_figures(settings) -> dict:
+    """The figures every strategy reports in `Runtime.summary()`, zero where it keeps no such state."""
+    return dict(anchors=0, anchor_bytes=0, anchors_evicted=0, store_bytes=0, store_entries=0, anchor_build_s=0.0,
+                anchor_dense_bytes=0, gate_tau=settings.tau, gate_calibration=None, acceptance=settings.accept,
+                faults={})
+
+
 class SharedContextStrategy(ABC):
     """What every shared-context strategy does for a call (see the module's description)."""
 
@@ -183,13 +203,13 @@ class SharedContextStrategy(ABC):
         held, before it is planned; none by default."""
         return ()
 
-    def prepare(self, served: Served) -> object | None:
+    def prepare(self, served: Served) -> Prepared:
         """Learning that needs no strategy state to change (it runs with no runtime lock held)."""
-        return None
+        return Prepared()
 
     @abstractmethod
-    def settle(self, served: Served, prepared: object | None = None) -> None:
-        """Record what the call's segments became (with what `prepare` built, when given)."""
+    def settle(self, served: Served, prepared: Prepared | None = None) -> None:
+        """Record what the call's segments became (with the anchors `prepare` built, when given)."""
 
     def refused(self, decisions: Mapping[int, PHDecision], exc: BaseException, agent: str) -> None:
         """The engine refused the reused KV of these decisions (`agent`'s call): never offer it again."""
@@ -213,6 +233,14 @@ class SharedContextStrategy(ABC):
         """What the settled call teaches, to be learned when the engine is idle (`agentcache.idle`)."""
         return []
 
+    def held_bytes(self) -> dict[str, int]:
+        """The bytes the strategy holds now: anchor pools and source caches (cheap, for a per-call watch)."""
+        return dict(anchor_bytes=0, store_bytes=0)
+
+    def learned(self) -> Learned | None:
+        """The anchor pools and verification records to persist; None: the strategy learns none."""
+        return None
+
     def figures(self) -> dict:
-        """The strategy's own figures for `Runtime.summary()`."""
+        """The strategy's own figures for `Runtime.summary()` (`common_figures` and more)."""
         return {}

@@ -18,15 +18,17 @@ from dataclasses import replace
 
 import torch
 
-from agentcache.correction.corrector import Corrector, PreparedAnchor
 from agentcache.correction.plan import PHDecision
+from agentcache.correction.records import PreparedAnchor
+from agentcache.correction.sourced import SourcedStrategy, raw_reuse
 from agentcache.correction.store import Materialization
+from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV
-from agentcache.engine.protocol import LayerRecompute, SegmentPlan, TokenRecompute
+from agentcache.engine.protocol import Engine, LayerRecompute, SegmentPlan, TokenRecompute
 from agentcache.engine.tokens import common_prefix
 from agentcache.isolation import Scope
 
-__all__ = ["SelectiveCorrector", "LayerProfile", "layer_count", "token_plan"]
+__all__ = ["Selective", "LayerProfile", "layer_count", "token_plan"]
 
 
 def token_plan(rho: float, probe_layer: int) -> TokenRecompute:
@@ -39,16 +41,16 @@ def layer_count(rho: float, num_layers: int) -> int:
     return min(num_layers, max(0, round((1.0 - rho) * num_layers)))
 
 
-class SelectiveCorrector(Corrector):
-    """The corrector of strategies with `recompute`: a reused segment's `PHDecision.detail` is the
-    engine's recompute step (`TokenRecompute` or `LayerRecompute`) for its covered tokens."""
+class Selective(SourcedStrategy):
+    """CacheBlend or DroidSpeak: a reused segment's `PHDecision.detail` is the engine's recompute
+    step (`TokenRecompute` or `LayerRecompute`) for its covered tokens."""
 
-    def __init__(self, engine, strategy, anchor_bytes: int, store_bytes: int) -> None:
-        super().__init__(engine, strategy, anchor_bytes, store_bytes)
+    def __init__(self, engine: Engine, settings: Strategy, anchor_bytes: int, store_bytes: int) -> None:
+        super().__init__(engine, settings, anchor_bytes, store_bytes)
         self.profiles: dict[str | None, LayerProfile] = {}  # DroidSpeak: per tenant
 
-    def _reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
-               start: int) -> PHDecision:
+    def reuse(self, scope: Scope, agent: str, slot: str, source: Materialization, shared: int,
+              start: int) -> PHDecision:
         """Reuse the source (the engine moves it where the call reads it), the engine rebuilding 1 − ρ of it."""
         kv = source.kv.slice(0, shared)
         s = self.strategy
@@ -59,15 +61,15 @@ class SelectiveCorrector(Corrector):
         if not profile.ready:
             return PHDecision("fallback", reason="profiling", source=source)
         if layer_count(s.rho, profile.num_layers) == 0:
-            return PHDecision("reused", source=source, covered=shared, inject=kv)
+            return raw_reuse(source, shared)
         hidden = source.hidden
         if hidden is None or hidden.shape[0] < shared:
             return PHDecision("fallback", reason="no_hidden_states", source=source)
         return PHDecision("recomputed", source=source, covered=shared, inject=kv,
                           detail=profile.recompute(s.rho, hidden[:shared]))
 
-    def _injected(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:
-        plans = super()._injected(slot, tokens, decision)
+    def engine_segments(self, slot: str, tokens: Sequence[int], decision: PHDecision) -> list[SegmentPlan]:
+        plans = super().engine_segments(slot, tokens, decision)
         step = decision.detail
         if isinstance(step, LayerRecompute):  # its hidden states cut to the injected tokens
             step = replace(step, hidden=step.hidden[:decision.covered])
@@ -84,7 +86,7 @@ class SelectiveCorrector(Corrector):
 
     def commit(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], decision: PHDecision,
                kv: SegmentKV | None, how: str, *, own_tokens_exact: bool = True,
-               hidden: torch.Tensor | None = None, prepared: PreparedAnchor | None | bool = False) -> None:
+               hidden: torch.Tensor | None = None, prepared: PreparedAnchor | None = None) -> None:
         if kv is not None and decision.reason == "profiling" and decision.source is not None and own_tokens_exact:
             self._observe_layers(scope, decision.source, token_ids, kv)
         super().commit(scope, agent, slot, token_ids, decision, kv, how, own_tokens_exact=own_tokens_exact,

@@ -18,19 +18,31 @@ session's sources when done.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from agentcache.correction.sources import reference_request
+from agentcache.correction.sources import reference_kv, reference_request
 from agentcache.correction.store import Materialization, SegmentStore
 from agentcache.engine.protocol import Engine
 from agentcache.isolation import Scope
 
-__all__ = ["SiblingReads", "Content", "Leader", "content_of", "study_source"]
+__all__ = ["SiblingReads", "Content", "Leader", "study_source"]
 
-Content = tuple  # (scope, slot, token ids): one shared segment's text in one session
 KEPT = 1024  # contents and slots remembered (least recently used go first)
+
+
+@dataclass(frozen=True)
+class Content:
+    """One shared segment's text in one session."""
+
+    scope: Scope
+    slot: str
+    tokens: tuple[int, ...]
+
+    @property
+    def read_key(self) -> tuple:
+        """Its key among the reads: its tokens hashed (a collision only misjudges a cost)."""
+        return self.scope, self.slot, len(self.tokens), hash(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -54,12 +66,11 @@ class SiblingReads:
         """A call reads new `content` (no source in its session yet); its leader when the content
         is read by siblings: now (another call read it first) or, for the first reader, the last
         time the slot was read."""
-        key = _read_key(content)
+        key = content.read_key
         count, leader = self.reads.pop(key, (0, reader))
         self.reads[key] = (count + 1, leader)
         _bound(self.reads, self.kept)
-        scope, slot, _ = content
-        slot_key = (scope.tenant, slot)
+        slot_key = (content.scope.tenant, content.slot)
         if count + 1 > 1:
             self.fanned_out.pop(slot_key, None)
             self.fanned_out[slot_key] = True
@@ -68,17 +79,16 @@ class SiblingReads:
 
     def leader(self, content: Content) -> Leader | None:
         """The content's leader when it was read by more than one call or its slot by siblings before."""
-        scope, slot, _ = content
-        count, leader = self.reads.get(_read_key(content), (0, None))
-        return leader if count > 1 or (count and self.fanned_out.get((scope.tenant, slot), False)) else None
+        count, leader = self.reads.get(content.read_key, (0, None))
+        return leader if count > 1 or (count and self.fanned_out.get((content.scope.tenant, content.slot), False)) else None
 
     def prefill(self, engine: Engine, content: Content, leader: Leader) -> Future:
         """The leader's prompt prefilled through `content`, started now unless it is in flight."""
         pending = self.pending.get(content)
         if pending is None:
-            scope, slot, tokens = content
             pending = self.pending[content] = (
-                engine.submit(reference_request(engine, scope, slot, tokens, leader.lead_in)), leader)
+                engine.submit(reference_request(engine, content.scope, content.slot, content.tokens, leader.lead_in)),
+                leader)
             self.prefills += 1
         return pending[0]
 
@@ -88,9 +98,9 @@ class SiblingReads:
         errors = []
         for content in [c for c, (f, _) in self.pending.items() if f.done()]:
             future, leader = self.pending.pop(content)
-            scope, slot, tokens = content
             try:
-                store.put(scope, slot, leader.agent, tokens, future.result().segments[1].kv, "dense")
+                store.put(content.scope, content.slot, leader.agent, content.tokens, reference_kv(future.result()),
+                          "dense")
             except Exception as exc:  # noqa: BLE001 - its readers prefill; counted by the caller
                 self.failed += 1
                 errors.append(exc)
@@ -103,19 +113,10 @@ class SiblingReads:
 def study_source(engine: Engine, content: Content, leader: Leader, priority: int) -> Materialization:
     """The leader's prefill of `content` run now (when the engine is idle; mostly a prefix hit of
     the leader's own call), as the source to shadow-run a sibling's call with; not stored."""
-    scope, slot, tokens = content
-    result = engine.execute(reference_request(engine, scope, slot, tokens, leader.lead_in, priority=priority))
-    return Materialization("sibling-study", scope, slot, leader.agent, tuple(tokens), result.segments[1].kv, "dense")
-
-
-def content_of(scope: Scope, slot: str, tokens: Sequence[int]) -> Content:
-    return (scope, slot, tuple(tokens))
-
-
-def _read_key(content: Content) -> tuple:
-    """A content's key among the reads: its tokens hashed (a collision only misjudges a cost)."""
-    scope, slot, tokens = content
-    return scope, slot, len(tokens), hash(tokens)
+    result = engine.execute(reference_request(engine, content.scope, content.slot, content.tokens, leader.lead_in,
+                                              priority=priority))
+    return Materialization("sibling-study", content.scope, content.slot, leader.agent, content.tokens,
+                           reference_kv(result), "dense")
 
 
 def _bound(table: OrderedDict, kept: int) -> None:

@@ -17,10 +17,11 @@ import time
 from collections.abc import Sequence
 
 from agentcache.correction.store import Materialization, SegmentStore
-from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
+from agentcache.engine.kv import SegmentKV
+from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
 from agentcache.isolation import Scope, tenant_salt
 
-__all__ = ["SourceFinder", "REFERENCE", "NEUTRAL_LEAD_IN", "reference_request"]
+__all__ = ["SourceFinder", "REFERENCE", "NEUTRAL_LEAD_IN", "reference_request", "reference_kv"]
 
 REFERENCE = "<reference>"  # the pseudo-agent of context-free reference prefills
 NEUTRAL_LEAD_IN = "\n"  # what precedes a segment in its reference prefill (then dropped)
@@ -55,16 +56,22 @@ class SourceFinder:
         # on the first consumer's critical path: a real request's priority and chunks
         result = self.engine.execute(reference_request(self.engine, scope, slot, token_ids, lead_in))
         self.reference_s += time.perf_counter() - started
-        return self.store.put(scope, slot, REFERENCE, token_ids, result.segments[1].kv, "reference")
+        return self.store.put(scope, slot, REFERENCE, token_ids, reference_kv(result), "reference")
 
 
 def reference_request(engine: Engine, scope: Scope, slot: str, token_ids: Sequence[int],
                       lead_in: Sequence[int] | None = None, priority: int = 0) -> ExecRequest:
     """A prefill of a segment after `lead_in` (by default BOS and a neutral newline: a context-free
-    reference), whose KV is the result's second segment. The runtime's own request
+    reference), whose KV `reference_kv` reads from the result. The runtime's own request
     (no agent dispatch, no hit in the statistics), cached in the scope's tenant namespace only."""
     lead = list(lead_in) if lead_in else engine.tokenize(NEUTRAL_LEAD_IN, bos=True)
     return ExecRequest(
         [SegmentPlan("lead-in", lead, Step.PREFIX, capture=False), SegmentPlan(slot, list(token_ids), Step.PREFIX)],
         SamplingParams(max_tokens=1), owner=REFERENCE, internal=True, priority=priority,
         cache_salt=tenant_salt(scope.tenant))
+
+
+def reference_kv(result: ExecResult) -> SegmentKV:
+    """The segment's KV in a `reference_request`'s result (the lead-in's is not captured)."""
+    lead_in, segment = result.segments
+    return segment.kv

@@ -1,19 +1,20 @@
-"""Shared-context strategies: one description, switched per run.
+"""Shared-context strategies' settings: which kind of strategy runs, and its parameters.
 
-Every strategy runs through the same corrector; they differ only in these switches.
+A strategy's `kind` picks the class that runs it from `agentcache.correction.STRATEGY_KINDS`
+(a registry); the other fields are that class's parameters.
 
-| name               | reuse | correct | chained | ranks (base, Δ) | anchors | accept   |
-| ------------------ | ----- | ------- | ------- | --------------- | ------- | -------- |
-| nonshared          | no    | -       | -       | -               | -       | -        |
-| fullshared         | yes   | no      | yes     | -               | -       | always   |
-| kvcomm             | yes   | yes     | no      | full            | 20 (+1) | entropy  |
-| kvcomm_canonical   | yes   | yes     | no      | full            | 20      | entropy  |
-| kvcmas             | yes   | yes     | yes     | 32, 32          | 10      | verified |
-| kvcmas_entropy     | yes   | yes     | yes     | 32, 32          | 10      | entropy  |
-| kvcmas_nonchained  | yes   | yes     | no      | 32, 32          | 10      | verified |
-| kvcmas_fullrank    | yes   | yes     | yes     | full            | 10      | verified |
-| cacheblend         | yes   | no      | yes     | -               | -       | always   |
-| droidspeak         | yes   | no      | yes     | -               | -       | always   |
+| name               | kind       | chained | ranks (base, Δ) | anchors | accept   |
+| ------------------ | ---------- | ------- | --------------- | ------- | -------- |
+| nonshared          | nonshared  | -       | -               | -       | -        |
+| fullshared         | fullshared | yes     | -               | -       | always   |
+| kvcomm             | kvcomm     | no      | full            | 20 (+1) | entropy  |
+| kvcomm_canonical   | kvcmas     | no      | full            | 20      | entropy  |
+| kvcmas             | kvcmas     | yes     | 32, 32          | 10      | verified |
+| kvcmas_entropy     | kvcmas     | yes     | 32, 32          | 10      | entropy  |
+| kvcmas_nonchained  | kvcmas     | no      | 32, 32          | 10      | verified |
+| kvcmas_fullrank    | kvcmas     | yes     | full            | 10      | verified |
+| cacheblend         | cacheblend | yes     | -               | -       | always   |
+| droidspeak         | droidspeak | yes     | -               | -       | always   |
 
 Acceptance: `verified` (agentcache's default, `correction.verification`) serves a reuse method on
 an edge (the raw re-aligned source, or its correction) only while shadow runs on the edge's dense
@@ -47,16 +48,17 @@ from dataclasses import dataclass
 
 from agentcache.correction.matching import GATE_SCALES
 
-__all__ = ["Strategy", "STRATEGIES", "get_strategy", "ACCEPTANCE"]
+__all__ = ["Strategy", "STRATEGIES", "get_strategy", "ACCEPTANCE", "KINDS"]
 
 ACCEPTANCE = ("verified", "entropy")
+KINDS = ("nonshared", "fullshared", "kvcmas", "kvcomm", "cacheblend", "droidspeak")
+RECOMPUTE = {"cacheblend": "tokens", "droidspeak": "layers"}  # selective recomputation: what is rebuilt
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    reuse: bool = True  # False: prefill every shared segment (exact prefix caching still on)
-    correct: bool = True  # False: inject the aligned source cache as it is
+    kind: str = "kvcmas"  # one of KINDS: the strategy class that runs these settings
     chained: bool = True
     base_rank: int | None = 32  # None: full-dimensional
     delta_rank: int | None = 32
@@ -71,18 +73,37 @@ class Strategy:
     # (`correction.calibration`); None keeps tau as given
     target_reuse: float | None = None
     calibrate_after: int = 16
-    recompute: str | None = None  # "tokens" (CacheBlend) or "layers" (DroidSpeak): selective recomputation
     rho: float | None = None  # selective recomputation: the share of the shared KV reused (1 − ρ is rebuilt)
     probe_layer: int = 1  # CacheBlend: the layer whose KV deviation picks the tokens (0..it run for all)
     profile_transitions: int = 2  # DroidSpeak: dense transitions profiled before its layer group is fixed
-    kvcomm_procedure: bool = False  # KVCOMM's reference procedure (see `correction.kvcomm`)
     accept: str = "entropy"  # "verified": shadow-verified methods, cost-aware; "entropy": the papers' gate
     # verified, chained: siblings dispatched together on a new segment share their leader's prefill
     # (`correction.siblings`). Off by default: on Gemma 3 270M it changed 3 of 20 calls' tokens
     siblings: bool = False
 
+    @property
+    def reuse(self) -> bool:
+        """Shared segments may be served from another agent's cache (False: NonShared)."""
+        return self.kind != "nonshared"
+
+    @property
+    def correct(self) -> bool:
+        """A reused cache is corrected with anchors (False: served raw or partly recomputed)."""
+        return self.kind in ("kvcmas", "kvcomm")
+
+    @property
+    def recompute(self) -> str | None:
+        """"tokens" (CacheBlend) or "layers" (DroidSpeak): what selective recomputation rebuilds."""
+        return RECOMPUTE.get(self.kind)
+
+    @property
+    def kvcomm_procedure(self) -> bool:
+        """KVCOMM's reference procedure (see `correction.kvcomm`)."""
+        return self.kind == "kvcomm"
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Strategy.kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("base_rank", "delta_rank"):
             rank = getattr(self, name)
             if rank is not None and (type(rank) is not int or rank < 1):
@@ -100,13 +121,7 @@ class Strategy:
             raise ValueError(f"Strategy.target_reuse must be None or in [0, 1], got {self.target_reuse!r}")
         if type(self.calibrate_after) is not int or self.calibrate_after < 1:
             raise ValueError(f"Strategy.calibrate_after must be a positive int, got {self.calibrate_after!r}")
-        if self.recompute not in (None, "tokens", "layers"):
-            raise ValueError(f"Strategy.recompute must be None, 'tokens' (CacheBlend) or 'layers' (DroidSpeak), "
-                             f"got {self.recompute!r}")
         if self.recompute is not None:
-            if self.correct:
-                raise ValueError("a selective-recomputation strategy rebuilds part of the source; it does not also "
-                                 "correct it (set correct=False)")
             if not (isinstance(self.rho, (int, float)) and 0.0 <= self.rho <= 1.0):
                 raise ValueError(f"Strategy.rho, the share of the shared KV reused, must be in [0, 1], got {self.rho!r}")
         if type(self.probe_layer) is not int or self.probe_layer < 1:
@@ -117,8 +132,8 @@ class Strategy:
             raise ValueError(f"Strategy.accept must be one of {ACCEPTANCE}, got {self.accept!r}")
         if self.accept == "verified" and (self.target_reuse is not None or self.kvcomm_procedure):
             raise ValueError("a target reuse ratio and KVCOMM's procedure steer the entropy gate (accept='entropy')")
-        if self.kvcomm_procedure and (self.chained or not self.correct or self.recompute is not None):
-            raise ValueError("KVCOMM's procedure corrects from non-chained sources (chained=False, correct=True)")
+        if self.kvcomm_procedure and self.chained:
+            raise ValueError("KVCOMM's procedure corrects from non-chained sources (chained=False)")
 
     def replace(self, **changes) -> "Strategy":
         return dataclasses.replace(self, **changes)
@@ -127,19 +142,19 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("nonshared", reuse=False),
-        Strategy("fullshared", correct=False),
+        Strategy("nonshared", kind="nonshared"),
+        Strategy("fullshared", kind="fullshared"),
         # KVCOMM evicts only once a pool holds more than 20 anchors, so its pools reach 21
-        Strategy("kvcomm", chained=False, base_rank=None, delta_rank=None, max_anchors=21, temperature=1.0,
-                 gate_scale="absolute", kvcomm_procedure=True),
+        Strategy("kvcomm", kind="kvcomm", chained=False, base_rank=None, delta_rank=None, max_anchors=21,
+                 temperature=1.0, gate_scale="absolute"),
         Strategy("kvcomm_canonical", chained=False, base_rank=None, delta_rank=None, max_anchors=20, temperature=1.0,
                  gate_scale="absolute"),
         Strategy("kvcmas", accept="verified"),
         Strategy("kvcmas_entropy"),
         Strategy("kvcmas_nonchained", chained=False, accept="verified"),
         Strategy("kvcmas_fullrank", base_rank=None, delta_rank=None, accept="verified"),
-        Strategy("cacheblend", correct=False, recompute="tokens", rho=0.8),
-        Strategy("droidspeak", correct=False, recompute="layers", rho=0.8),
+        Strategy("cacheblend", kind="cacheblend", rho=0.8),
+        Strategy("droidspeak", kind="droidspeak", rho=0.8),
     )
 }
 

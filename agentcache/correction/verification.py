@@ -1,7 +1,7 @@
 """Acceptance by verification: reuse a shared segment on an edge only while shadow runs show that
 doing so gives the same output as dense prefill.
 
-An edge is (tenant, slot, source agent, consumer agent, whether the source is exact, the length of
+An edge (`records.Edge`) is (tenant, slot, source agent, consumer agent, whether the source is exact, the length of
 the rest of the call in powers of 4): a source that was itself reused carries its own error down a
 chain, and a long continuation after an approximate segment can drift where a short one did not,
 so each is verified on its own. Whenever a consumer's segment is prefilled
@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from agentcache.correction.records import Edge
 
 __all__ = ["Verdict", "EdgeRecord", "Verification", "METHODS", "WINDOW", "MIN_VERDICTS", "MAX_AUDIT_GAP",
            "SHADOW_TOKENS", "CONTEXT_FREE_VERDICTS", "compare_outputs"]
@@ -117,14 +119,14 @@ class Verification:
     """Every edge's record; `decide` before a call, `record` after its shadow runs."""
 
     def __init__(self) -> None:
-        self.edges: dict[tuple, EdgeRecord] = {}
+        self.edges: dict[Edge, EdgeRecord] = {}
         self.shadow_runs = 0
         self.shadow_s = 0.0
         self.audits = 0
         self.agreed: dict[str, int] = {m: 0 for m in METHODS}
         self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
 
-    def decide(self, edge: tuple, can_correct: bool, needed: int = MIN_VERDICTS) -> tuple[str | None, str | None]:
+    def decide(self, edge: Edge, can_correct: bool, needed: int = MIN_VERDICTS) -> tuple[str | None, str | None]:
         """(method, None) to reuse, or (None, "unverified"): no method agreed on the edge yet
         (`needed` verdicts at least)."""
         record = self.edges.get(edge)
@@ -133,15 +135,15 @@ class Verification:
 
     def serves_from(self, tenant: str | None, slot: str, source_agent: str) -> bool:
         """Whether some edge from `source_agent`'s exact materialization of `slot` serves reuse."""
-        return any(edge[:3] == (tenant, slot, source_agent) and edge[4] and record.choice(can_correct=True)
-                   for edge, record in self.edges.items())
+        return any((edge.tenant, edge.slot, edge.source) == (tenant, slot, source_agent) and edge.exact_source
+                   and record.choice(can_correct=True) for edge, record in self.edges.items())
 
-    def audit_due(self, edge: tuple) -> bool:
+    def audit_due(self, edge: Edge) -> bool:
         """Count one reused call on the edge; True when it is to be audited."""
         record = self.edges.get(edge)
         return record is not None and record.due_audit()
 
-    def record(self, edge: tuple, verdicts: Sequence[Verdict], seconds: float = 0.0, *, audit: bool = False) -> None:
+    def record(self, edge: Edge, verdicts: Sequence[Verdict], seconds: float = 0.0, *, audit: bool = False) -> None:
         """Keep the verdicts of a shadow run (or, `audit`, of a served call's dense replay)."""
         record = self.edges.setdefault(edge, EdgeRecord())
         for verdict in verdicts:
@@ -161,12 +163,13 @@ class Verification:
     # --- persistence: plain JSON, no tensors ---------------------------------------------
 
     def to_json(self, tenant: str | None) -> list[dict]:
-        """The records of `tenant`'s edges (edge = (tenant, slot, source, consumer, exact source))."""
-        return [dict(slot=edge[1], source=edge[2], consumer=edge[3], exact_source=edge[4], after=edge[5],
+        """The records of `tenant`'s edges."""
+        return [dict(slot=edge.slot, source=edge.source, consumer=edge.consumer, exact_source=edge.exact_source,
+                     after=edge.after,
                      audit_gap=record.audit_gap, updated=record.updated,
                      verdicts=[dict(method=v.method, agrees=v.agrees, kl=v.kl, tokens=v.tokens)
                                for kept in record.verdicts.values() for v in kept])
-                for edge, record in self.edges.items() if edge[0] == tenant]
+                for edge, record in self.edges.items() if edge.tenant == tenant]
 
     def load_json(self, tenant: str | None, records: Sequence[dict], *, replace: bool = True) -> int:
         """Add `tenant`'s saved records (after validating every field); returns how many. With
@@ -174,8 +177,8 @@ class Verification:
         later verdicts)."""
         parsed = []
         for item in records:
-            edge = (tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]), bool(item["exact_source"]),
-                    int(item["after"]))
+            edge = Edge(tenant, str(item["slot"]), str(item["source"]), str(item["consumer"]),
+                        bool(item["exact_source"]), int(item["after"]))
             record = EdgeRecord(audit_gap=min(MAX_AUDIT_GAP, max(FIRST_AUDIT_GAP, int(item["audit_gap"]))))
             for v in item["verdicts"]:
                 if v["method"] not in METHODS:

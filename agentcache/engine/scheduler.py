@@ -20,11 +20,9 @@ its own bookkeeping, so other threads' lookups never wait for a step.
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -36,15 +34,14 @@ from agentcache.engine.graphs import DecodeGraphs
 from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import Job
 from agentcache.engine.prefill import PrefillLayout, prefill_layout
+from agentcache.engine.prefill_passes import PrefillPasses
 from agentcache.engine.protocol import (
     ExecRequest,
     ExecResult,
-    LayerRecompute,
     SegmentOutcome,
     Step,
-    TokenRecompute,
 )
-from agentcache.engine.recompute import Blend, HiddenRecord, pick_deviating
+from agentcache.engine.recompute import HiddenRecord
 from agentcache.engine.runner import ModelRunner
 from agentcache.engine.sampling import choose_token, finish_after
 from agentcache.errors import Preempted, RequestCancelled
@@ -108,6 +105,7 @@ class BatchScheduler:
         self.runner = runner
         self.layers = layers
         self.kv_layout = runner.layout
+        self.passes = PrefillPasses(runner, layers, realign)
         self.device = torch.device(device)
         self.model_key = model_key
         self.hidden_size = hidden_size
@@ -221,7 +219,7 @@ class BatchScheduler:
                 live.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
             if sampling.constraint is not None:
                 live.grammar = self.grammars().start(sampling.constraint)
-            live.prefill = self._prefill_steps(live)
+            live.prefill = self.passes.steps(live)
             return live
         except BaseException:
             self.cache.free(lease)
@@ -246,98 +244,6 @@ class BatchScheduler:
             self._first_token(live)
         except _CallbackError as exc:
             self._drop(live, exc)
-
-    def _prefill_steps(self, live: _Live) -> Iterator[None]:
-        """Run the request's prefill layout, one forward pass per `next`: fill the call cache past
-        the prefix hit; set the last position's logits, the recomputation counts and the first
-        approximate position."""
-        request, cache, layout = live.request, live.cache, live.layout
-        prompt, end = live.prompt, layout.end
-        placed = []  # (injection, its KV re-aligned to its positions)
-        for inj in layout.injections:
-            kv = request.segments[inj.segment].kv
-            placed.append((inj, self.realign(kv.slice(inj.offset, inj.offset + inj.length), inj.start)))
-            if isinstance(inj.recompute, LayerRecompute):
-                live.recomputed[inj.segment] = float(inj.prefilled)
-        ran = False  # a pass has run: yield before the next one
-        for part in layout.head:
-            if ran:
-                yield
-            forward = partial(self.runner.forward, cache, [prompt[p] for p in part], part[0])
-            live.logits = self._pass(live, part, forward)
-            ran = True
-        if placed:
-            cache.clear(layout.split, end)
-            for inj, kv in placed:
-                cache.place(inj.start, kv.keys, kv.values)
-            picked: list[int] = []
-            if layout.blends:
-                probe = layout.probe_layer
-                for part in layout.probe:
-                    if ran:
-                        yield
-                    self._scattered(live, part, end, last=probe)
-                    ran = True
-                self._count(live, layout.probed, live.probed, (probe + 1) / self.kv_layout.num_layers)
-                for inj, kv in placed:
-                    if isinstance(inj.recompute, TokenRecompute):
-                        blend = Blend(inj.segment, list(inj.positions), kv, inj.recompute)
-                        deviating = pick_deviating(cache, blend, probe)
-                        live.recomputed[inj.segment] = float(len(deviating))
-                        picked.extend(deviating)
-            for stage in layout.stages(picked):
-                layered = stage.layered
-                if layered is None:
-                    for part in stage.chunks:
-                        if ran:
-                            yield
-                        live.logits = self._scattered(live, part, end)
-                        ran = True
-                    continue
-                done = 0
-                for part in stage.chunks:
-                    if ran:
-                        yield
-                    self._scattered(live, part, end, first=layered.spec.first, last=layered.spec.last,
-                                    hidden=layered.hidden[done : done + len(part)])
-                    done += len(part)
-                    ran = True
-                share = len(layered.positions) * layered.layers / self.kv_layout.num_layers
-                live.recomputed[layered.segment] = live.recomputed.get(layered.segment, 0.0) + share
-            cache.commit(end)
-        hit, lineage_from = live.lease.hit.tokens, live.lease.hit.lineage_from
-        approx = ([lineage_from] if lineage_from < hit else []) + [layout.first_inexact]
-        live.first_approx = min((p for p in approx if p is not None), default=None)
-
-    def _scattered(self, live: _Live, positions: Sequence[int], end: int, first: int = 0, last: int | None = None,
-                   hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """One scattered pass over `positions` (below `end`), through layers first..last, layer
-        `first` taking `hidden` (T, hidden size) as its input when given."""
-        forward = partial(self.runner.forward_scattered, live.cache, [live.prompt[p] for p in positions],
-                          positions, end)
-        return self._pass(live, positions, forward, first, last, None if hidden is None else hidden[None])
-
-    def _pass(self, live: _Live, positions: Sequence[int], forward, first: int = 0, last: int | None = None,
-              hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one forward pass over `positions`, within the layer range, recording the hidden
-        states the request asked for (the input of its `hidden_layer`, when the range runs it)."""
-        record = live.hidden
-        top = self.kv_layout.num_layers - 1 if last is None else last
-        capture = record.layer if record is not None and first <= record.layer <= top else None
-        if capture is None and first == 0 and last is None:
-            return forward()
-        with self.layers.running(first, last, hidden, capture) as setting:
-            logits = forward()
-        if capture is not None:
-            record.put(positions, setting.captured[0][0])  # (T, hidden size)
-        return logits
-
-    def _count(self, live: _Live, positions: Sequence[int], into: dict[int, float], weight: float) -> None:
-        """Add `weight` per position to the segment holding it."""
-        starts = [span.start for span in live.layout.spans]
-        for p in positions:
-            segment = bisect_right(starts, p) - 1
-            into[segment] = into.get(segment, 0.0) + weight
 
     # --- decoding --------------------------------------------------------------------------------
 

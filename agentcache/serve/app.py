@@ -96,7 +96,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     if not isinstance(config, ServeConfig):
         raise InputError(f"create_app(config=...) must be a ServeConfig, got {type(config).__name__}")
     engine = runtime.engine
-    batch = getattr(getattr(engine, "config", None), "max_batch", 8)
+    batch = engine.max_batch
     server = _Server(runtime, config, Admission(config.max_in_flight or 4 * batch))
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
