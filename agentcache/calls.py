@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from agentcache.correction.plan import Piece, Planned, PHDecision, SharedContextStrategy, TokenizedCall
 from agentcache.engine.protocol import Engine, ExecRequest, SamplingParams, SegmentPlan, Step
-from agentcache.errors import PlanError, SegmentError
+from agentcache.errors import InputError, PlanError, SegmentError
 from agentcache.isolation import Scope, engine_session, lineage_salt, tenant_salt
 from agentcache.segments import AgentCall, Segment
 
@@ -77,11 +77,23 @@ def tokenize_call(engine: Engine, call: AgentCall) -> TokenizedCall:
     return TokenizedCall(call.agent, Scope(call.tenant, call.session), tuple(segments), tuple(map(tuple, ids)))
 
 
-def awaited_context(engine: Engine, strategy: SharedContextStrategy, call: AgentCall) -> tuple[TokenizedCall, tuple[Future, ...]]:
-    """Tokenize `call` and ask `strategy` what shared context in flight (a reference prefill its
-    siblings share) the call should wait for before it is planned."""
-    tokenized = tokenize_call(engine, call)
+def awaited_context(engine: Engine, strategy: SharedContextStrategy, call: AgentCall,
+                    tokenized: TokenizedCall | None = None) -> tuple[TokenizedCall, tuple[Future, ...]]:
+    """Tokenize `call` (unless the caller did: `tokenized`) and ask `strategy` what shared context
+    in flight (a reference prefill its siblings share) the call should wait for before it is planned."""
+    tokenized = tokenize_call(engine, call) if tokenized is None else tokenized
     return tokenized, strategy.awaited(tokenized)
+
+
+def checked_tokens(tokenized: object, call: AgentCall, where: str) -> TokenizedCall | None:
+    """`tokenized` when it is None or `tokenize_call`'s form of `call`; otherwise an InputError."""
+    if tokenized is None:
+        return None
+    added = len(tokenized.segments) - len(call.segments) if isinstance(tokenized, TokenizedCall) else -1
+    if not (added in (0, 1) and tokenized.agent == call.agent and tokenized.scope == Scope(call.tenant, call.session)
+            and tokenized.segments[added:] == tuple(call.segments)):  # `added`: a BOS segment put first
+        raise InputError(f"{where} must be None or `tokenize_call`'s form of this call, got {type(tokenized).__name__}")
+    return tokenized
 
 
 def plan_call(

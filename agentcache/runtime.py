@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from agentcache.calls import CallPlan, awaited_context, plan_call
+from agentcache.calls import CallPlan, awaited_context, checked_tokens, plan_call
 from agentcache.config import RuntimeConfig
 from agentcache.correction import make_strategy
 from agentcache.correction.anchor_store import AnchorStore
@@ -35,6 +35,7 @@ from agentcache.correction.persist import AnchorFiles
 from agentcache.correction.plan import Served, SharedContextStrategy, TokenizedCall
 from agentcache.correction.strategies import Strategy, get_strategy
 from agentcache.engine.choice import open_engine
+from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RequestCancelled, RopeAlignmentError
 from agentcache.idle import IdleWorker, Lesson
@@ -75,7 +76,8 @@ class _Flight:
 
     @classmethod
     def checked(cls, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-                on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> _Flight:
+                on_token: Callable[[int], None] | None, cancelled: threading.Event | None,
+                tokenized: TokenizedCall | None, started: float) -> _Flight:
         """A call's flight from `Runtime.run`'s arguments, each checked (InputError names a bad one)."""
         call = AgentCall.checked(call, "Runtime.run")
         sampling = SamplingParams.checked(sampling, "Runtime.run(sampling=...)")
@@ -84,7 +86,8 @@ class _Flight:
                              f"got {type(on_token).__name__}")
         if cancelled is not None and not isinstance(cancelled, threading.Event):
             raise InputError(f"Runtime.run(cancelled=...) must be a threading.Event or None, got {type(cancelled).__name__}")
-        return cls(call, DispatchEvent.checked_for(event, call), sampling, on_token, cancelled, started, object())
+        return cls(call, DispatchEvent.checked_for(event, call), sampling, on_token, cancelled, started, object(),
+                   tokenized=checked_tokens(tokenized, call, "Runtime.run(tokenized=...)"))
 
 
 class Runtime:
@@ -98,12 +101,11 @@ class Runtime:
         finished call's record (e.g. `metrics.JsonlSink(path)`); `anchors_dir`: a directory or an
         `AnchorStore` (shared by instances) where anchor pools persist (`correction.persist`)."""
         self.config = RuntimeConfig.checked(config)
-        check = CheckReport.checked(check)
         self.log = CallLog(self.config.keep_calls, on_call)
         self.engine = _engine(engine, model)
         self.chat: ChatML | None = chat_format(self.engine)  # how adapters lay out a chat for this model
         self.requested_strategy = get_strategy(strategy)
-        verdict = vet_strategy(self.engine, self.requested_strategy, check, self.config.self_check)
+        verdict = vet_strategy(self.engine, self.requested_strategy, CheckReport.checked(check), self.config.self_check)
         self.strategy, self.check, self.refusal = verdict.strategy, verdict.check, verdict.refusal
         self.corrector = make_strategy(self.engine, self.strategy, self.config.anchor_bytes, self.config.store_bytes)
         self.sessions = SessionTable(self.config.max_sessions, self.config.session_entries, self.corrector.forget)
@@ -126,29 +128,30 @@ class Runtime:
     # --- running calls -------------------------------------------------------------------
 
     def run(self, call: AgentCall, sampling: SamplingParams | None = None, *, event: DispatchEvent | None = None,
-            on_token: Callable[[int], None] | None = None, cancelled: threading.Event | None = None) -> CallResult:
+            on_token: Callable[[int], None] | None = None, cancelled: threading.Event | None = None,
+            tokenized: TokenizedCall | None = None) -> CallResult:
         """Run one agent call and return its text, timings and per-segment decisions. `event` is the
         adapter's dispatch event (of the call's agent and session); `on_token` gets each token id;
         setting `cancelled` (a client that went away) drops the call from the engine, which frees its
-        blocks, and the call raises `RequestCancelled`: nothing of it is learned or kept."""
-        return drive(self._story(call, sampling, event, on_token, cancelled, time.perf_counter()))
+        blocks, and the call raises `RequestCancelled`: nothing of it is learned or kept. `tokenized`:
+        the call's tokens when the caller has them already (`calls.tokenize_call`)."""
+        return drive(self._story((call, sampling, event, on_token, cancelled, tokenized), time.perf_counter()))
 
     async def arun(self, call: AgentCall, sampling: SamplingParams | None = None, *,
                    event: DispatchEvent | None = None, on_token: Callable[[int], None] | None = None,
-                   cancelled: threading.Event | None = None) -> CallResult:
+                   cancelled: threading.Event | None = None, tokenized: TokenizedCall | None = None) -> CallResult:
         """`run` for an event loop. It awaits the engine's future, so concurrent calls hold no thread
         each: planning takes turns on one runtime thread; learning, settling and the `on_call` sink
         on another. A caller that stops waiting does not stop the call: like `run` on a thread, it
         runs to its end and is recorded, unless it sets `cancelled`."""
-        story = self._story(call, sampling, event, on_token, cancelled, time.perf_counter())
+        story = self._story((call, sampling, event, on_token, cancelled, tokenized), time.perf_counter())
         call_task = asyncio.ensure_future(drive_async(story, self._threads))
         call_task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
         return await asyncio.shield(call_task)
 
-    def _story(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-               on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> Story:
-        """A call's story (see the module's description), told once for `run` and `arun`."""
-        flight = yield Do(PLANNING, self._enter, (call, sampling, event, on_token, cancelled, started))
+    def _story(self, arguments: tuple, started: float) -> Story:
+        """A call's story (see the module's description), told once for `run` and `arun` (`arguments`: theirs)."""
+        flight = yield Do(PLANNING, self._enter, (arguments, started))
         try:
             yield Await(flight.awaited)  # shared context in flight, with no lock held
             yield Do(PLANNING, self._plan, (flight,))
@@ -168,18 +171,18 @@ class Runtime:
         yield Do(LEARNING, self.log.emit, (outcome,))
         return outcome
 
-    def _enter(self, call: AgentCall, sampling: SamplingParams | None, event: DispatchEvent | None,
-               on_token: Callable[[int], None] | None, cancelled: threading.Event | None, started: float) -> _Flight:
-        """Check the input and ask the strategy, under the lock, what shared context in flight the
-        call should wait for; the call is in flight from here (`started`: when it reached the runtime)."""
-        flight = _Flight.checked(call, sampling, event, on_token, cancelled, started)
+    def _enter(self, arguments: tuple, started: float) -> _Flight:
+        """Check `run`'s arguments and ask the strategy, under the lock, what shared context in flight
+        the call should wait for; the call is in flight from here (`started`: when it reached the runtime)."""
+        flight = _Flight.checked(*arguments, started)
         self._flying.add(flight.ticket)  # set.add and discard are atomic: the count needs no lock of its own
         try:
             with self._lock, torch.inference_mode():
                 flight.locked_s = time.perf_counter() - flight.started  # waiting for other calls' planning or settling
                 if self.anchors is not None:
                     self.anchors.load(flight.call.tenant)  # once per tenant
-                flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, flight.call)
+                flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, flight.call,
+                                                                   flight.tokenized)
         except BaseException:
             self._flying.discard(flight.ticket)
             raise
@@ -218,14 +221,14 @@ class Runtime:
         call, tokenized, request = flight.call, flight.plan.tokenized, flight.plan.request
         served = Served.of(tokenized, flight.plan.planned, result, greedy=request.sampling.temperature == 0)
         prepared, lessons = None, []
-        with _counted(self.corrector, "lesson_error", f"preparing what agent {call.agent!r}'s call teaches", self._lock), \
-                torch.inference_mode():
+        preparing = f"preparing what agent {call.agent!r}'s call teaches"
+        with _counted(self.corrector, "lesson_error", preparing, self._lock), torch.inference_mode():
             prepared = self.corrector.prepare(served)
         with self._lock, torch.inference_mode():
             self.corrector.settle(served, prepared)
             with _counted(self.corrector, "lesson_error", f"planning what agent {call.agent!r}'s call teaches"):
                 lessons = self.corrector.lessons(served)  # learned later: when idle, or before returning
-            reports, prefix = served.reports(), tokenized.fixed_prefix  # prefix: the agent's own context, for CacheScout
+            reports, prefix = served.reports(), tokenized.fixed_prefix  # prefix: the agent's own, for CacheScout
             with _counted(self.corrector, "commit_error", f"remembering agent {call.agent!r}'s output for its session"):
                 self.sessions.record_call(call, result.text)
             total_s = time.perf_counter() - flight.started  # to the last token, anchors and session included
@@ -329,7 +332,7 @@ class Runtime:
                 requested_strategy=self.requested_strategy.name, refusal=self.refusal, **strategy,
                 sessions=len(self.sessions), sessions_forgotten=self.sessions.forgotten, cancelled_calls=self.cancelled_calls,
                 faults=faults,  # real faults only; normal fallbacks are in fallback_reasons
-                eviction=getattr(self.engine.eviction_policy, "name", None), **self.scout.figures(),
+                eviction=_policy_name(self.engine.eviction_policy), **self.scout.figures(),
                 **self._idle.figures(), **(self.anchors.figures() if self.anchors is not None else {}),
                 dispatches=self.log.dispatch_counts())
 
@@ -340,7 +343,8 @@ class Runtime:
 
 
 @contextmanager
-def _counted(strategy: SharedContextStrategy, kind: str, what: str, lock: threading.RLock | None = None) -> Iterator[None]:
+def _counted(strategy: SharedContextStrategy, kind: str, what: str,
+             lock: threading.RLock | None = None) -> Iterator[None]:
     """Count an exception of the block as the strategy's fault `kind` (under `lock`, when given)."""
     try:
         yield
@@ -376,3 +380,7 @@ def _engine(engine: Engine | None, model: Any) -> Engine:
     if engine is not None and model is not None:
         raise ValueError("give either an engine or a model, not both")
     return engine if engine is not None else open_engine("embedded", model or DEFAULT_MODEL)
+
+
+def _policy_name(policy: EvictionPolicy | None) -> str | None:
+    return None if policy is None else policy.name

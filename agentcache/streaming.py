@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
+    from agentcache.correction.plan import TokenizedCall
     from agentcache.metrics import CallResult
     from agentcache.runtime import Runtime
     from agentcache.segments import AgentCall, DispatchEvent
@@ -108,10 +109,10 @@ def stream_call(
 
 async def astream_call(
     runtime: "Runtime", call: "AgentCall", sampling: "SamplingParams", event: "DispatchEvent | None" = None,
-    cancelled: "threading.Event | None" = None,
+    cancelled: "threading.Event | None" = None, tokenized: "TokenizedCall | None" = None,
 ) -> AsyncIterator["str | CallResult"]:
     """`stream_call` for an event loop: the engine's thread posts chunks to the loop, which keeps running.
-    Setting `cancelled` drops the call from the engine (`Runtime.arun`)."""
+    Setting `cancelled` drops the call from the engine; `tokenized`: its tokens, when known (`Runtime.arun`)."""
     text = TextStream(runtime.engine.detokenize, sampling.stop)
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[Any] = asyncio.Queue()
@@ -126,7 +127,8 @@ async def astream_call(
 
     async def produce() -> "CallResult":
         try:
-            return await runtime.arun(call, sampling, event=event, on_token=on_token, cancelled=cancelled)
+            return await runtime.arun(call, sampling, event=event, on_token=on_token, cancelled=cancelled,
+                                      tokenized=tokenized)
         finally:
             # The engine's posts reach the loop in order, before the call's completion resumes us.
             chunks.put_nowait(_DONE)

@@ -49,6 +49,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
+from agentcache.engine.protocol import Engine
 from agentcache.errors import InputError
 from agentcache.segments import AgentCall, Segment, output_slot
 from agentcache.toolcalls import ToolCall, ToolFormat, function_tools
@@ -148,10 +149,10 @@ class ChatML:
         return self.opener("user", f"{label}:\n")
 
 
-def chat_format(engine: Any) -> ChatML | None:
+def chat_format(engine: Engine) -> ChatML | None:
     """ChatML when the engine's model has a ChatML chat template and its control tokens; None: the
     plain transcript (base models, and any other template)."""
-    template = getattr(engine, "chat_template", None)
+    template = engine.chat_template
     if not isinstance(template, str) or "<|im_start|>" not in template:
         return None
     start, end = engine.control_token_id("<|im_start|>"), engine.control_token_id("<|im_end|>")

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from _report import emit, fill_defaults  # benchmarks/, the script's own folder
+from _report import emit, fill_defaults, judge_aims  # benchmarks/, the script's own folder
 from agentcache.engine import EmbeddedEngine, EngineConfig, ExecRequest, SamplingParams, SegmentPlan
 from agentcache.runtime import Runtime, RuntimeConfig
 from agentcache.segments import AgentCall, Segment
@@ -204,6 +204,9 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+AIMS = {"decode_speedup_n4": (">", 1.0), "fanout_ttft_ratio": ("<", 1.0), "batched_over_serialized_ttft_n4": ("<", 1.0)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="N = 1 and 4, short prompts (< 60 s on 2 cores)")
@@ -224,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
             "expert_tokens": 48}
     fill_defaults(args, quick, full)
     result = run(args)
+    four = result["calls"].get("4")
+    if four is not None:  # batching never loses to one request at a time
+        batched, serialized = four["batched"]["ttft_mean_s"], four["serialized"]["ttft_mean_s"]
+        result["batched_over_serialized_ttft_n4"] = round(batched / serialized, 3)
+    judge_aims(result, AIMS)
     emit(result, args.out)
     return result
 

@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
             "ttft_mean_s": figures["ttft_mean_s"],
             # prefill work per scored call in full-forward tokens (computed, rebuilt, probed)
             "prefill_tokens_per_call": figures["prefill_tokens"] / max(1, figures["calls"]),
-            "gate_tau": runtimes[name].corrector.tau if strategies[name].correct else None,
+            "gate_tau": runtimes[name].summary()["gate_tau"] if strategies[name].correct else None,
             "workflow_s": spent[name],
             "gate_entropy": _spread([s.entropy for c, _ in pairs for s in c.segments if s.entropy is not None]),
         }
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> dict:
         "warmup_problems": args.warmup,
         "records_per_query": args.records if args.task == "fact" else None,
         "tau": {name: s.tau for name, s in strategies.items()},
-        "gate_calibration": {name: rt.corrector.calibrated for name, rt in runtimes.items() if rt.corrector.calibrated},
+        "gate_calibration": {name: calibration for name, rt in runtimes.items()
+                             if (calibration := rt.summary()["gate_calibration"])},
         "temperature": {name: s.temperature for name, s in strategies.items()},
         "self_check": None if check is None else check.to_dict(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cpus, torch CPU",

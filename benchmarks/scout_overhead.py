@@ -24,7 +24,7 @@ import sys
 import time
 from statistics import median
 
-from _report import emit  # benchmarks/, the script's own folder
+from _report import emit, judge_aims  # benchmarks/, the script's own folder
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.eviction import Dispatch
 from agentcache.policies import make_policy
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         "python": sys.version.split()[0],
     }
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    judge_aims(result, {"observe_touch_us": ("<", 100)})  # what the pool calls per block: it must stay cheap
     emit(result, args.out)
     return result
 

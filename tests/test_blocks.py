@@ -187,7 +187,7 @@ def test_a_run_of_blocks_is_stored_in_one_write_and_taken_back_if_the_write_fail
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(pool, "_write", broken)
+    monkeypatch.setattr(pool.storage, "write_run", broken)
     again: list = []
     more = list(range(21, 33))
     with pytest.raises(RuntimeError, match="device lost"):

@@ -215,7 +215,6 @@ def test_a_segment_not_worth_reuse_runs_as_nonshared_with_no_reuse_work():
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
 def test_reuse_is_served_only_on_edges_whose_shadow_runs_agreed(preset):
     rt = Runtime(make_engine(preset, pool_blocks=1024), strategy="kvcmas", config=DETERMINISTIC)
-    dense = Runtime(make_engine(preset, pool_blocks=1024), strategy="nonshared", config=DETERMINISTIC)
     served = 0
     for seed in range(5):
         query = long_query(rt, seed)

@@ -75,7 +75,7 @@ def test_pool_capacity_from_bytes(tiny_engine):
     per_block = tiny_engine.layout.bytes_per_token * 16
     engine = tiny_engine.with_config(EngineConfig(pool_bytes=10 * per_block))
     assert engine.pool.capacity == 10
-    assert engine.pool.key_storage.numel() * 4 * 2 == 10 * per_block
+    assert engine.pool.storage.keys.numel() * 4 * 2 == 10 * per_block
 
 
 @pytest.mark.slow

@@ -544,3 +544,24 @@ def test_a_cancelled_arun_still_runs_its_call_to_the_end(runtime):
     assert rt.output_segment("planner", session=None).text == rt.results[0].text
     assert not rt._flying  # nothing left in flight: warm-ups are not held back for ever
     assert rt.run(role_call("local", query), ONE).segments[1].source == "planner"  # its source was recorded
+
+
+def test_a_call_tokenized_by_its_caller_is_not_tokenized_again_and_a_foreign_one_is_refused(runtime, monkeypatch):
+    import agentcache.calls
+    from agentcache.calls import tokenize_call
+
+    rt = runtime("kvcmas")
+    query = text_of_length(rt.engine, 20, seed=9)
+    call, other = role_call("planner", query), role_call("critic", query)
+    tokens = tokenize_call(rt.engine, call)
+    want = rt.run(call, ONE).token_ids
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(agentcache.calls, "tokenize_call", never)
+    assert rt.run(call, ONE, tokenized=tokens).token_ids == want
+    with pytest.raises(InputError, match="tokenized"):
+        rt.run(other, ONE, tokenized=tokens)
+    with pytest.raises(InputError, match="tokenized"):
+        rt.run(call, ONE, tokenized=tokens.token_lists)

@@ -451,3 +451,26 @@ def test_the_server_on_the_vllm_engine_serves_streams_and_cancels():
             time.sleep(0.05)
         assert rt.cancelled_calls == 1 and rt.engine.cache_stats().blocks_in_use == 0
         assert post(on_vllm, GOOD).status_code == 200
+
+
+def test_a_served_request_is_tokenized_once(server, monkeypatch):
+    """The server measures the prompt with the call's tokens and hands them to the runtime, which
+    does not tokenize the call again (whole and streamed replies alike)."""
+    import agentcache.calls
+    import agentcache.serve.prepare
+
+    seen = []
+    tokenize = agentcache.calls.tokenize_call
+
+    def counted(engine, call):
+        seen.append(call.agent)
+        return tokenize(engine, call)
+
+    monkeypatch.setattr(agentcache.calls, "tokenize_call", counted)
+    monkeypatch.setattr(agentcache.serve.prepare, "tokenize_call", counted)
+    planner, _ = two_agents("once")
+    sdk = client(server)
+    sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=2, temperature=0)
+    assert len(seen) == 1
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=2, temperature=0, stream=True))
+    assert chunks and len(seen) == 2

@@ -12,7 +12,7 @@ from agentcache.correction.plan import PHDecision, Planned, Served, SharedContex
 from agentcache.correction.selective import Selective
 from agentcache.correction.sourced import FullShared, SourcedStrategy
 from agentcache.correction.store import Materialization, SegmentStore
-from agentcache.correction.strategies import KINDS, STRATEGIES, Strategy, get_strategy
+from agentcache.correction.strategies import STRATEGIES, Strategy, get_strategy
 
 __all__ = [
     "Anchor", "AnchorBank", "AnchorPool", "Correction",

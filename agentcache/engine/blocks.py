@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from agentcache.engine.block_storage import BlockStorage
 from agentcache.engine.eviction import Dispatch, EvictionPolicy, builtin_policy
 from agentcache.engine.kv import KVLayout
 from agentcache.errors import CapacityError
@@ -102,6 +103,44 @@ class PoolStats:
         return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
 
 
+class BlockIndex:
+    """Cached blocks by their chained hash. A hash hit is trusted only after the stored tokens,
+    parent, salt and namespace match too."""
+
+    def __init__(self) -> None:
+        self.by_hash: dict[bytes, Block] = {}
+
+    def get(self, key: bytes) -> Block | None:
+        return self.by_hash.get(key)
+
+    def match(self, token_ids: Sequence[int], block_size: int, salt: str | None, namespace: str | None) -> list[Block]:
+        """The longest chain of cached full blocks that prefixes `token_ids`: each block looked up
+        exact (in `namespace`) first, then under `salt` (the caller's lineage)."""
+        chain: list[Block] = []
+        parent: Block | None = None
+        keys = [(None, namespace)] + ([(salt, None)] if salt is not None else [])
+        for i in range(len(token_ids) // block_size):
+            tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            found = None
+            for candidate_salt, candidate_space in keys:
+                block = self.by_hash.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt,
+                                                    candidate_space))
+                if self.verified(block, tokens, parent, candidate_salt, candidate_space):
+                    found = block
+                    break
+            if found is None:
+                break
+            chain.append(found)
+            parent = found
+        return chain
+
+    @staticmethod
+    def verified(block: Block | None, tokens: tuple[int, ...], parent: Block | None, salt: str | None,
+                 namespace: str | None) -> bool:
+        return (block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
+                and block.namespace == namespace)
+
+
 @dataclass
 class BlockPool:
     capacity: int
@@ -120,19 +159,13 @@ class BlockPool:
         self.policy = builtin_policy(self.policy, "BlockPool.policy")
         self.policy.attach(self.capacity, self.block_size)
         self._blocks: dict[int, Block] = {}
-        self._index: dict[bytes, Block] = {}
+        self._index = BlockIndex()
         self._recycled: list[int] = []  # ids freed by eviction; fresh ids come from _next_fresh
         self._next_fresh = 0  # ids are handed out lazily: a huge capacity costs nothing up front
         self._clock = 0
         self._num_kept = 0  # blocks with keeps > 0, kept current on every reference change
-        self.key_storage: torch.Tensor | None = None
-        self.value_storage: torch.Tensor | None = None
-        if self.layout is not None:
-            lay = self.layout
-            shape = (self.capacity, lay.num_layers, lay.num_kv_heads, self.block_size, lay.head_dim)
-            # torch.empty maps pages lazily: untouched capacity costs no resident memory.
-            self.key_storage = torch.empty(shape, dtype=lay.dtype, device=self.device)  # (N, L, H, B, D)
-            self.value_storage = torch.empty(shape, dtype=lay.dtype, device=self.device)
+        self.storage = (BlockStorage(self.capacity, self.block_size, self.layout, self.device)
+                        if self.layout is not None else None)  # None: bookkeeping only
 
     # --- queries -------------------------------------------------------------------------
 
@@ -159,37 +192,9 @@ class BlockPool:
         return self._index.get(block_hash_)
 
     def match(self, token_ids: Sequence[int], salt: str | None = None, namespace: str | None = None) -> list[Block]:
-        """The longest chain of cached full blocks that prefixes `token_ids`.
-
-        Each block is looked up exact (in `namespace`) first, then under `salt` (the caller's
-        lineage). Nothing is touched or referenced: call `acquire` on what you use.
-        """
-        chain: list[Block] = []
-        parent: Block | None = None
-        bs = self.block_size
-        keys = [(None, namespace)] + ([(salt, None)] if salt is not None else [])
-        for i in range(len(token_ids) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            found = None
-            for candidate_salt, candidate_space in keys:
-                block = self._index.get(block_hash(parent.block_hash if parent else None, tokens, candidate_salt,
-                                                   candidate_space))
-                if self._verified(block, tokens, parent, candidate_salt, candidate_space):
-                    found = block
-                    break
-            if found is None:
-                break
-            chain.append(found)
-            parent = found
-        return chain
-
-    @staticmethod
-    def _verified(
-        block: Block | None, tokens: tuple[int, ...], parent: Block | None, salt: str | None, namespace: str | None
-    ) -> bool:
-        """A hash hit is trusted only if the stored tokens, parent, salt and namespace match too."""
-        return (block is not None and block.token_ids == tokens and block.parent is parent and block.salt == salt
-                and block.namespace == namespace)
+        """The longest chain of cached full blocks that prefixes `token_ids` (`BlockIndex.match`).
+        Nothing is touched or referenced: call `acquire` on what you use."""
+        return self._index.match(token_ids, self.block_size, salt, namespace)
 
     # --- requests and reference counting ----------------------------------------------------
 
@@ -250,15 +255,9 @@ class BlockPool:
 
     def gather(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of a chain of blocks, each (L, H, n·B, D)."""
-        if self.key_storage is None:
+        if self.storage is None:
             raise RuntimeError("this block pool holds no tensors (layout=None)")
-        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=self.key_storage.device)
-        keys = self.key_storage.index_select(0, ids)  # (n, L, H, B, D)
-        values = self.value_storage.index_select(0, ids)
-        n, lay, heads, bs, dim = keys.shape
-        keys = keys.permute(1, 2, 0, 3, 4).reshape(lay, heads, n * bs, dim)  # (L, H, n·B, D)
-        values = values.permute(1, 2, 0, 3, 4).reshape(lay, heads, n * bs, dim)
-        return keys, values
+        return self.storage.gather([b.block_id for b in blocks])
 
     def store(
         self,
@@ -280,9 +279,8 @@ class BlockPool:
         when another block already holds this hash.
         """
         block, created = self._stored(parent, token_ids, salt, namespace, owner, visit)
-        if created and self.key_storage is not None:
-            self.key_storage[block.block_id] = keys
-            self.value_storage[block.block_id] = values
+        if created and self.storage is not None:
+            self.storage.write(block.block_id, keys, values)
         return block
 
     def store_run(
@@ -321,21 +319,12 @@ class BlockPool:
                 parent = block
             return None
         finally:
-            if fresh and self.key_storage is not None:
+            if fresh and self.storage is not None:
                 try:
-                    self._write(stored - len(fresh), [b.block_id for b in fresh], keys, values)
+                    self.storage.write_run(stored - len(fresh), [b.block_id for b in fresh], keys, values)
                 except BaseException:
                     self._drop_new(fresh, held)
                     raise
-
-    def _write(self, first: int, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Blocks first.. of a run's KV (L, H, n·B, D) into storage rows `block_ids`: one copy for K, one for V."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key_storage.device)  # (m,)
-        begin, end = first * self.block_size, (first + len(block_ids)) * self.block_size
-        for source, storage in ((keys, self.key_storage), (values, self.value_storage)):
-            layers, heads, _, dim = source.shape
-            blocks = source[:, :, begin:end].reshape(layers, heads, len(block_ids), self.block_size, dim)  # (L, H, m, B, D)
-            storage.index_copy_(0, ids, blocks.permute(2, 0, 1, 3, 4))  # rows (m, L, H, B, D)
 
     def _drop_new(self, fresh: list[Block], held: list[Block]) -> None:
         """Take back blocks just stored whose KV never reached storage (children first)."""
@@ -359,7 +348,7 @@ class BlockPool:
             namespace = None  # a lineage salt already names its tenant
         key = block_hash(parent.block_hash if parent else None, tokens, salt, namespace)
         existing = self._index.get(key)
-        if self._verified(existing, tokens, parent, salt, namespace):
+        if self._index.verified(existing, tokens, parent, salt, namespace):
             self.acquire([existing], hit=False, visit=visit)
             return existing, False
         if existing is not None:
@@ -374,7 +363,7 @@ class BlockPool:
         now = self._tick()
         block = Block(block_id, key, tokens, parent, salt, owner, created=now, last_access=now, namespace=namespace)
         self._blocks[block_id] = block
-        self._index[key] = block
+        self._index.by_hash[key] = block
         if parent is not None:
             parent.num_children += 1
         self._reference(block, +1)
@@ -431,7 +420,7 @@ class BlockPool:
 
     def _remove(self, block: Block) -> None:
         del self._blocks[block.block_id]
-        del self._index[block.block_hash]
+        del self._index.by_hash[block.block_hash]
         if block.parent is not None:
             block.parent.num_children -= 1
         self._recycled.append(block.block_id)

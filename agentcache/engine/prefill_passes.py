@@ -8,18 +8,15 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.layers import LayerControl
+from agentcache.engine.live_request import LiveRequest
 from agentcache.engine.protocol import LayerRecompute, TokenRecompute
 from agentcache.engine.recompute import Blend, pick_deviating
 from agentcache.engine.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from agentcache.engine.scheduler import _Live
 
 __all__ = ["PrefillPasses"]
 
@@ -33,7 +30,7 @@ class PrefillPasses:
         self.realign = realign
         self.num_layers = runner.layout.num_layers
 
-    def steps(self, live: _Live) -> Iterator[None]:
+    def steps(self, live: LiveRequest) -> Iterator[None]:
         """Run the request's prefill layout, one forward pass per `next`: fill the call cache past
         the prefix hit; set the last position's logits, the recomputation counts and the first
         approximate position."""
@@ -95,7 +92,7 @@ class PrefillPasses:
         approx = ([lineage_from] if lineage_from < hit else []) + [layout.first_inexact]
         live.first_approx = min((p for p in approx if p is not None), default=None)
 
-    def _scattered(self, live: _Live, positions: Sequence[int], end: int, first: int = 0, last: int | None = None,
+    def _scattered(self, live: LiveRequest, positions: Sequence[int], end: int, first: int = 0, last: int | None = None,
                    hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One scattered pass over `positions` (below `end`), through layers first..last, layer
         `first` taking `hidden` (T, hidden size) as its input when given."""
@@ -103,7 +100,7 @@ class PrefillPasses:
                           positions, end)
         return self._pass(live, positions, forward, first, last, None if hidden is None else hidden[None])
 
-    def _pass(self, live: _Live, positions: Sequence[int], forward, first: int = 0, last: int | None = None,
+    def _pass(self, live: LiveRequest, positions: Sequence[int], forward, first: int = 0, last: int | None = None,
               hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward pass over `positions`, within the layer range, recording the hidden
         states the request asked for (the input of its `hidden_layer`, when the range runs it)."""
@@ -118,7 +115,7 @@ class PrefillPasses:
             record.put(positions, setting.captured[0][0])  # (T, hidden size)
         return logits
 
-    def _count(self, live: _Live, positions: Sequence[int], into: dict[int, float], weight: float) -> None:
+    def _count(self, live: LiveRequest, positions: Sequence[int], into: dict[int, float], weight: float) -> None:
         """Add `weight` per position to the segment holding it."""
         starts = [span.start for span in live.layout.spans]
         for p in positions:

@@ -20,20 +20,20 @@ its own bookkeeping, so other threads' lookups never wait for a step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from agentcache.engine.batch import DecodeRows
-from agentcache.engine.cache_manager import CacheManager, Lease
+from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.kv import CallCache, SegmentKV, prefix_digests
-from agentcache.engine.grammar import Grammars, GrammarState, mask_rows
+from agentcache.engine.grammar import Grammars, mask_rows
 from agentcache.engine.graphs import DecodeGraphs
 from agentcache.engine.layers import LayerControl
 from agentcache.engine.loop import Job
-from agentcache.engine.prefill import PrefillLayout, prefill_layout
+from agentcache.engine.prefill import prefill_layout
+from agentcache.engine.live_request import LiveRequest, job_order
 from agentcache.engine.prefill_passes import PrefillPasses
 from agentcache.engine.protocol import (
     ExecRequest,
@@ -49,49 +49,9 @@ from agentcache.errors import Preempted, RequestCancelled
 __all__ = ["BatchScheduler"]
 
 
-@dataclass(eq=False)
-class _Live:
-    """An admitted request, from admission to its result."""
-
-    job: Job
-    prompt: list[int]  # the request's tokens, joined once
-    lease: Lease
-    cache: CallCache
-    digests: dict[int, bytes]  # position -> digest of the tokens before it (what KV ending there is exact for)
-    layout: PrefillLayout  # where each prompt token comes from, and the passes computing the rest
-    prefill: Iterator[None] | None = None  # one prefill chunk per next(); None once the prompt is in
-    logits: torch.Tensor | None = None  # (V,) at the last prompt position
-    first_approx: int | None = None  # first position whose KV is not exact for this prompt
-    recomputed: dict[int, float] = field(default_factory=dict)  # segment -> tokens' worth recomputed
-    probed: dict[int, float] = field(default_factory=dict)  # segment -> CacheBlend probe work, in tokens
-    hidden: HiddenRecord | None = None  # the hidden states entering `request.hidden_layer`, when asked
-    generator: torch.Generator | None = None
-    grammar: GrammarState | None = None  # the output constraint's matcher, when the request has one
-    grammar_s: float = 0.0  # time its matcher took since the last decode step was counted
-    generated: list[int] = field(default_factory=list)
-    ttft: float = 0.0
-    text: str = ""
-    finish: str = "length"
-    decoding: bool = False  # in the decode rows
-    admitted: float = field(default_factory=time.perf_counter)
-
-    @property
-    def request(self) -> ExecRequest:
-        return self.job.request
-
-    @property
-    def order(self) -> tuple:
-        return _order(self.job)
-
-
-def _order(job: Job) -> tuple:
-    return (job.request.warmup, job.request.priority, job.seq)
-
-
 class BatchScheduler:
-    """Runs requests on a model: `runner` computes, `layers` runs part of the stack (selective
-    recomputation), `cache` holds the prefix blocks. `model_key` names the weights (KV digests),
-    `hidden_size` the width of recorded hidden states, `realign` moves KV to other positions;
+    """Runs requests on a model: `runner` computes, `layers` runs part of the stack, `cache` holds the
+    prefix blocks, `model_key` names the weights (KV digests), `realign` moves KV to other positions;
     `eos_token_ids` and `detokenize` judge when a request is done."""
 
     def __init__(
@@ -117,16 +77,13 @@ class BatchScheduler:
         self.prefill_chunk = prefill_chunk
         self.warmup_chunk = warmup_chunk
         self.waiting: list[Job] = []
-        self.live: list[_Live] = []
+        self.live: list[LiveRequest] = []
         self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
         # decode steps replayed from CUDA graphs (graphs.py); None: every step runs eagerly
         self.graphs = DecodeGraphs(runner.step, self.rows, capture=True) if decode_graphs else None
         self.batched_tokens = 0  # tokens decoded in steps of more than one request
-        # decode steps with a constrained row: their count, their time (forward, masks, choice) and,
-        # of that, the grammar's (masking the logits, advancing the matchers)
-        self.constrained_steps = 0
-        self.constrained_step_s = 0.0
-        self.grammar_s = 0.0
+        # decode steps with a constrained row: their count, time, and the grammar's share (masks, matchers)
+        self.constrained_steps, self.constrained_step_s, self.grammar_s = 0, 0.0, 0.0
         self.preempted = 0
         self.cancelled = 0  # requests dropped because their callers cancelled them
 
@@ -138,7 +95,7 @@ class BatchScheduler:
             if job.future.set_running_or_notify_cancel():  # a cancelled request is dropped here
                 self.waiting.append(job)
         self._drop_cancelled()
-        self.waiting.sort(key=_order)
+        self.waiting.sort(key=job_order)
         self._admit()
         self._prefill_one()
         self._decode()
@@ -189,29 +146,19 @@ class BatchScheduler:
         self._drop(victim, Preempted("a real request needed this warm-up's place in the batch"))
         return True
 
-    def _start(self, job: Job) -> _Live:
+    def _start(self, job: Job) -> LiveRequest:
         request = job.request
         prompt = request.token_ids
-        lookup = 0  # the leading PREFIX and INJECT segments are looked up; DENSE ones are computed
-        for seg in request.segments:
-            if seg.step is Step.DENSE:
-                break
-            lookup += len(seg.token_ids)
-        if request.lookup_limit is not None:
-            lookup = min(lookup, request.lookup_limit)
-        lease = self.cache.admit(prompt, lookup, lineage=request.lineage, namespace=request.cache_salt,
+        lease = self.cache.admit(prompt, _lookup_length(request), lineage=request.lineage, namespace=request.cache_salt,
                                  owner=request.owner, session=request.session, warmup=request.uncounted)
         try:
             cache = CallCache(self.kv_layout, len(prompt) + request.sampling.max_tokens, self.device)
             if lease.hit.blocks:
                 cache.append(*self.cache.gather(lease))
-            ends = [0]
-            for seg in request.segments:
-                ends.append(ends[-1] + len(seg.token_ids))
-            digests = prefix_digests(prompt, ends, self.model_key)
+            digests = prefix_digests(prompt, _segment_ends(request), self.model_key)
             layout = prefill_layout(request, lease.hit.tokens, digests, prefill_chunk=self.prefill_chunk,
                                     warmup_chunk=self.warmup_chunk)
-            live = _Live(job, prompt, lease, cache, digests, layout)
+            live = LiveRequest(job, prompt, lease, cache, digests, layout)
             if request.hidden_layer is not None:
                 live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, self.hidden_size, self.device)
             sampling = request.sampling
@@ -247,7 +194,7 @@ class BatchScheduler:
 
     # --- decoding --------------------------------------------------------------------------------
 
-    def _first_token(self, live: _Live) -> None:
+    def _first_token(self, live: LiveRequest) -> None:
         sampling = live.request.sampling
         logits = live.logits.cpu()[None]  # (1, V); the kept logits stay as the model gave them
         if live.grammar is not None:
@@ -297,7 +244,7 @@ class BatchScheduler:
         for live in done:
             self._finish(live)
 
-    def _decode_step(self, ordered: list[_Live]) -> torch.Tensor:
+    def _decode_step(self, ordered: list[LiveRequest]) -> torch.Tensor:
         """One batched decode step over the rows (in row order), recording the hidden states of the
         rows that ask for them. Rows asking for different layers: only the first layer asked is
         recorded (the others' output then has no hidden states, and their consumers prefill)."""
@@ -317,7 +264,7 @@ class BatchScheduler:
                 live.hidden.put([positions[row]], hidden[row])
         return logits
 
-    def _emit(self, live: _Live, token: int) -> bool:
+    def _emit(self, live: LiveRequest, token: int) -> bool:
         """Record a generated token; returns whether the request is finished."""
         sampling = live.request.sampling
         live.generated.append(token)
@@ -342,7 +289,7 @@ class BatchScheduler:
 
     # --- finishing ---------------------------------------------------------------------------------
 
-    def _finish(self, live: _Live) -> None:
+    def _finish(self, live: LiveRequest) -> None:
         """Hand back the result: capture KV, cache the call's blocks, free its row and lease."""
         request, cache = live.request, live.cache
         try:
@@ -372,7 +319,7 @@ class BatchScheduler:
         self._release(live)
         live.job.future.set_result(result)
 
-    def _outcome(self, live: _Live, index: int, hit: int, lineage_from: int) -> SegmentOutcome:
+    def _outcome(self, live: LiveRequest, index: int, hit: int, lineage_from: int) -> SegmentOutcome:
         seg, span = live.request.segments[index], live.layout.spans[index]
         begin, end = span.start, span.start + len(seg.token_ids)
         return SegmentOutcome(
@@ -384,17 +331,17 @@ class BatchScheduler:
             hidden=live.hidden.get(begin, end) if live.hidden is not None else None,
         )
 
-    def _capture(self, live: _Live, begin: int, end: int) -> SegmentKV:
+    def _capture(self, live: LiveRequest, begin: int, end: int) -> SegmentKV:
         keys, values = live.cache.view(begin, end)
         exact = live.first_approx is None or end <= live.first_approx
         return SegmentKV(keys.clone(), values.clone(), begin, live.digests[end] if exact else None)
 
-    def _drop(self, live: _Live, exc: BaseException) -> None:
+    def _drop(self, live: LiveRequest, exc: BaseException) -> None:
         """End a request with an error; nothing it computed is cached."""
         self._release(live)
         _fail(live.job.future, exc.error if isinstance(exc, _CallbackError) else exc)
 
-    def _release(self, live: _Live) -> None:
+    def _release(self, live: LiveRequest) -> None:
         if live in self.live:
             self.live.remove(live)
         if live.decoding:
@@ -414,3 +361,22 @@ class _CallbackError(Exception):
 def _fail(future: Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _lookup_length(request: ExecRequest) -> int:
+    """How much of the prompt is looked up in the prefix cache: the leading PREFIX and INJECT
+    segments (DENSE ones are computed), within the request's lookup limit."""
+    lookup = 0
+    for seg in request.segments:
+        if seg.step is Step.DENSE:
+            break
+        lookup += len(seg.token_ids)
+    return lookup if request.lookup_limit is None else min(lookup, request.lookup_limit)
+
+
+def _segment_ends(request: ExecRequest) -> list[int]:
+    """0 and each segment's end position in the prompt."""
+    ends = [0]
+    for seg in request.segments:
+        ends.append(ends[-1] + len(seg.token_ids))
+    return ends

@@ -267,7 +267,7 @@ class _Reply:
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.cancel))
         try:
             result = await self.runtime.arun(self.prepared.call, self.prepared.sampling, event=self.prepared.event,
-                                             cancelled=self.cancel)
+                                             cancelled=self.cancel, tokenized=self.prepared.tokenized)
         except asyncio.CancelledError:  # the handler itself was cancelled (a shutdown past its drain time)
             self.cancel.set()
             raise
@@ -300,7 +300,8 @@ class _Reply:
             result = None
             try:
                 async for item in astream_call(self.runtime, self.prepared.call, self.prepared.sampling,
-                                               self.prepared.event, cancelled=self.cancel):
+                                               self.prepared.event, cancelled=self.cancel,
+                                               tokenized=self.prepared.tokenized):
                     if isinstance(item, CallResult):
                         result = item
                         break

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from typing import Any
 
+from agentcache.engine.embedded import EmbeddedEngine
 from agentcache.errors import InputError
 
 __all__ = ["KVEventPublisher", "REPLAY_BATCHES"]
@@ -41,8 +42,7 @@ class KVEventPublisher:
 
     def __init__(self, engine: Any, endpoint: str, replay_endpoint: str | None = None, *,
                  interval_s: float = 0.05, topic: str = "") -> None:
-        cache = getattr(engine, "cache", None)
-        if not callable(getattr(cache, "drain_events", None)):
+        if not isinstance(engine, EmbeddedEngine):
             raise InputError(f"KV events are published from the embedded engine's prefix cache; "
                              f"{type(engine).__name__} has none (vLLM publishes its own: its kv_events_config)")
         try:
@@ -51,7 +51,7 @@ class KVEventPublisher:
         except ImportError as exc:
             raise InputError(f"publishing KV events needs {exc.name}: install agentcache's `cluster` extra "
                              f"(pip install -e '.[cluster]'; scripts/setup.sh does)") from None
-        self._cache, self._block_size = cache, engine.block_size
+        self._cache, self._block_size = engine.cache, engine.block_size
         self._pack = msgpack.packb
         self._zmq = zmq
         self._context = zmq.Context.instance()
@@ -60,7 +60,7 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._sequence = 0
-        self._dropped = cache.events_dropped
+        self._dropped = engine.cache.events_dropped
         self.published = 0  # events
         self._interval = interval_s
         self._stop = threading.Event()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentcache.calls import tokenize_call
+from agentcache.correction.plan import TokenizedCall
 from agentcache.engine.protocol import SamplingParams
 from agentcache.output_format import read_tool_choice, response_constraint
 from agentcache.runtime import Runtime
@@ -33,6 +34,7 @@ class PreparedCall:
     sampling: SamplingParams
     event: DispatchEvent
     prompt_tokens: int
+    tokenized: TokenizedCall  # the call's tokens: the runtime does not tokenize it again
     tool_names: tuple[str, ...] = ()
     tool_format: ToolFormat | None = None  # set: the reply is parsed for tool calls
 
@@ -72,7 +74,8 @@ def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript,
 
     call = laid_out(runtime, transcript, caller, tools)
     engine = runtime.engine
-    prompt_tokens = len(tokenize_call(engine, call).prompt)
+    tokenized = tokenize_call(engine, call)
+    prompt_tokens = len(tokenized.prompt)
     if prompt_tokens > max_prompt_tokens:
         raise ApiError(400, f"messages: the prompt is {prompt_tokens} tokens; this server takes at most "
                             f"{max_prompt_tokens}", param="messages", code="context_length_exceeded")
@@ -94,5 +97,5 @@ def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript,
     event = DispatchEvent(agent=caller.agent, session=caller.session, framework=FRAMEWORK,
                           caller=(user_agent or None) and user_agent[:80], messages=len(request.messages))
     parsing = tool_format if tools and choice != "none" else None
-    return PreparedCall(call, sampling, event, prompt_tokens, names, parsing)
+    return PreparedCall(call, sampling, event, prompt_tokens, tokenized, names, parsing)
 

