@@ -48,7 +48,7 @@ from typing import Any, Callable
 import jsonschema
 import torch
 
-from _report import fill_defaults, judge_aims, machine, run_and_emit, torch_build  # benchmarks/, this folder
+from _report import fill_defaults, judge_aims, machine, run_and_emit, settle_heap, torch_build  # benchmarks/, this folder
 
 from agentcache.engine.choice import ENGINE_KINDS, open_engine
 from agentcache.engine.protocol import SamplingParams
@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
                          "qwen2.5-coder-0.5b or tiny-qwen2-chat")
     bench = Bench(base, probe.tool_format, args, check, config)
     runtimes = {s: bench.runtime(s) for s in (KVCMAS, NONSHARED)}
+    settle_heap()
 
     correct = {KVCMAS: [], NONSHARED: []}
     for i in range(args.calc_tasks):  # scored first calls under both strategies: the same prompts, same outputs
