@@ -207,6 +207,15 @@ BAD_BODIES = [
         "name": "f", "description": "<|im_end|>", "parameters": {"type": "object"}}}]}, 400, None, "control token"),
     ("bad agent name", {**GOOD, "agentcache": {"agent": "<system>"}}, 400, "agentcache.agent", "reserved"),
     ("cache_salt empty", {**GOOD, "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
+    ("agent name of 200,000 characters", {**GOOD, "agentcache": {"agent": "a" * 200_000}}, 400, "agentcache.agent",
+     "200000 characters long"),
+    ("agent name with a control character", {**GOOD, "agentcache": {"agent": "plan\nner"}}, 400, "agentcache.agent",
+     "printable"),
+    ("session name too long", {**GOOD, "agentcache": {"session": "s" * 129}}, 400, "agentcache.session", "at most 128"),
+    ("cache_salt too long", {**GOOD, "cache_salt": "x" * 10_000}, 400, "cache_salt", "at most 128"),
+    ("system message name too long", {**GOOD, "messages": [{"role": "system", "content": "You plan.", "name": "n" * 500},
+                                                          {"role": "user", "content": "hi"}]}, 400, "messages.name",
+     "500 characters"),
     ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400, None, "too deeply"),
     ("lone surrogate", b'{"model": "tiny-qwen2-chat", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
      None, "surrogate"),
@@ -333,6 +342,34 @@ def test_isolation_over_http_two_keys_and_cache_salt_only_splits():
     with pytest.raises(InputError, match="api-keys"):
         check_bind("0.0.0.0", ServeConfig())
     check_bind("0.0.0.0", ServeConfig(api_keys=keys))
+
+
+def test_names_in_headers_are_bounded_and_metrics_stay_small_under_long_names(server):
+    refused = post(server, GOOD, headers={"x-agentcache-agent": "a" * 200_000})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "header x-agentcache-agent"
+    refused = post(server, GOOD, headers={"x-session-id": "s\ts"})  # a tab inside: a control character
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "header x-session-id"
+    assert post(server, GOOD, headers={"x-agentcache-agent": "Senior Research Analyst"}).status_code == 200
+    scrape = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text
+    assert "a" * 200 not in scrape and len(scrape) < 200_000
+
+
+def test_metrics_labels_are_bounded_per_tenant():
+    keys = ApiKeys({"key-of-acme-000": "acme", "key-of-globex-0": "globex", "key-of-scraper": "metrics"})
+    with ServerThread(create_app(runtime(), ServeConfig(api_keys=keys, max_agents=2))) as guarded:
+        def ask(key: str, agent: str, **extra) -> int:
+            return post(guarded, {**GOOD, "agentcache": {"agent": agent}, **extra},
+                        headers={"authorization": f"Bearer {key}"}).status_code
+
+        for name in ("a1", "a2", "a3", "a4"):  # acme names more agents than its share
+            assert ask("key-of-acme-000", name) == 200
+        assert ask("key-of-acme-000", "a5", cache_salt="split") == 200  # a salted tenant counts as its tenant
+        assert ask("key-of-globex-0", "g1") == 200  # globex still gets a label of its own
+        text = httpx.get(f"{guarded.url.removesuffix('/v1')}/metrics",
+                         headers={"authorization": "Bearer key-of-scraper"}).text
+    for labelled in ("a1", "a2", "g1"):
+        assert f'agentcache_ttft_seconds_count{{agent="{labelled}"}} 1.0' in text
+    assert 'agentcache_ttft_seconds_count{agent="other"} 3.0' in text and "a3" not in text and "a5" not in text
 
 
 def test_metrics_label_agents_with_a_bounded_set():

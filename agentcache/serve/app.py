@@ -148,9 +148,9 @@ class _Server:
             raise
         return slot, prepared
 
-    def refused(self, agent: str, error: ApiError) -> None:
+    def refused(self, agent: str, tenant: str | None, error: ApiError) -> None:
         """Count a request refused before it ran."""
-        self.metrics.outcome(agent, "rejected" if error.status in (413, 429) else "bad_request")
+        self.metrics.outcome(agent, tenant, "rejected" if error.status in (413, 429) else "bad_request")
         if error.status in (413, 429):
             self.metrics.rejected.labels("queue_full" if error.status == 429 else "too_large").inc()
 
@@ -224,7 +224,7 @@ def _add_tokenize_route(app: FastAPI, server: _Server) -> None:
 def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        agent = "unknown"
+        agent, tenant = "unknown", None
         try:
             tenant = server.tenant(request)
             body = await _read_body(request, server.config.max_body_bytes)
@@ -235,7 +235,7 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             agent = caller.agent
             slot, prepared = await server.admit(request, chat, transcript, caller)
         except ApiError as error:
-            server.refused(agent, error)
+            server.refused(agent, tenant, error)
             raise
         reply = _Reply(server.runtime, prepared, chat.model, chat.include_usage, caller.how,  # the name asked for
                        server.metrics)
@@ -263,6 +263,10 @@ class _Reply:
     def agent(self) -> str:
         return self.prepared.call.agent
 
+    @property
+    def tenant(self) -> str | None:
+        return self.prepared.call.tenant
+
     async def whole(self, request: Request) -> Response:
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.cancel))
         try:
@@ -272,17 +276,17 @@ class _Reply:
             self.cancel.set()
             raise
         except RequestCancelled:
-            self.metrics.outcome(self.agent, "cancelled")
+            self.metrics.outcome(self.agent, self.tenant, "cancelled")
             return Response(status_code=499)  # nobody is listening
         except _BAD_REQUEST as exc:
-            self.metrics.outcome(self.agent, "bad_request")
+            self.metrics.outcome(self.agent, self.tenant, "bad_request")
             raise ApiError(400, str(exc)) from None
         except Exception:
-            self.metrics.outcome(self.agent, "error")
+            self.metrics.outcome(self.agent, self.tenant, "error")
             raise
         finally:
             watcher.cancel()
-        self.metrics.outcome(self.agent, "ok")
+        self.metrics.outcome(self.agent, self.tenant, "ok")
         parsed = self.prepared.parse(result.text)
         content, calls = _content_and_calls(result.text, parsed)
         body = completion(self.id, self.model, content, calls, _finish(result, calls), self._usage(result),
@@ -314,14 +318,14 @@ class _Reply:
                 bad = isinstance(exc, _BAD_REQUEST)
                 if not bad:
                     log.exception("unexpected error while streaming a reply")
-                self.metrics.outcome(self.agent, "bad_request" if bad else "error")
+                self.metrics.outcome(self.agent, self.tenant, "bad_request" if bad else "error")
                 error = ApiError(400, str(exc)) if bad else ApiError(500, f"internal error ({type(exc).__name__})")
                 yield _sse(error_body(error))
                 yield "data: [DONE]\n\n"
                 finished = True
                 return
             finished = True
-            self.metrics.outcome(self.agent, "ok")
+            self.metrics.outcome(self.agent, self.tenant, "ok")
             parsed = self.prepared.parse(result.text)
             content, calls = _content_and_calls(result.text, parsed)
             rest = stream.rest(content or "") if stream is not None else ""
@@ -337,7 +341,7 @@ class _Reply:
         finally:
             if not finished:
                 self.cancel.set()  # the client went away: the engine drops the request
-                self.metrics.outcome(self.agent, "cancelled")
+                self.metrics.outcome(self.agent, self.tenant, "cancelled")
             slot.release()
 
     def _usage(self, result: CallResult) -> dict[str, Any]:

@@ -20,7 +20,7 @@ class ServeConfig:
     # requests served at once (running or waiting in the engine); more are a 429 with Retry-After.
     # None: 4 x the engine's batch
     max_in_flight: int | None = None
-    max_agents: int = 32  # agents with a metrics label of their own; the rest are "other"
+    max_agents: int = 32  # agents per tenant with a metrics label of their own; the rest are "other"
     drain_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
 
     def __post_init__(self) -> None:

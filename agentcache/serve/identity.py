@@ -12,6 +12,10 @@ otherwise the fingerprint itself ("agent-<12 hex>": an unmodified client still g
 per system prompt, so per role). The session: `agentcache.session`, else `X-Agentcache-Session`,
 else `X-Session-ID` (the header routers such as vllm-router keep a session on one instance by),
 else the tenant's default session.
+
+Every name a client sends (agent, session, `cache_salt`) is bounded: at most `MAX_NAME_CHARS`
+printable characters (no control, format or surrogate code points), else a 400 naming the field.
+Names become metric labels and session keys, so a client cannot grow either by sending long ones.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from agentcache.serve.api import ApiError, ChatRequest
 from agentcache.serve.messages import Transcript
 
 __all__ = ["ApiKeys", "Caller", "Identities", "AGENT_HEADER", "SESSION_HEADER", "ROUTER_SESSION_HEADER",
-           "DEFAULT_AGENT", "METRICS_TENANT"]
+           "DEFAULT_AGENT", "METRICS_TENANT", "MAX_NAME_CHARS", "checked_name"]
 
 AGENT_HEADER = "x-agentcache-agent"
 SESSION_HEADER = "x-agentcache-session"
@@ -37,6 +41,7 @@ ROUTER_SESSION_HEADER = "x-session-id"  # vllm-router's consistent_hash and stic
 DEFAULT_AGENT = "assistant"  # a request with no system prompt and no name
 METRICS_TENANT = "metrics"  # with API keys configured, only this tenant's keys read /metrics
 _ALIASES = 4096  # fingerprints remembered per server, oldest forgotten first
+MAX_NAME_CHARS = 128  # in an agent, session or cache_salt name a client sends
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,13 @@ class Identities:
     def caller(self, request: ChatRequest, headers: Mapping[str, str], transcript: Transcript,
                tenant: str | None) -> Caller:
         fields = request.agentcache
-        session = ((fields.session if fields else None) or _header(headers, SESSION_HEADER)
-                   or _header(headers, ROUTER_SESSION_HEADER))
+        session = _first_name((fields.session if fields else None, "agentcache.session"),
+                              (_header(headers, SESSION_HEADER), f"header {SESSION_HEADER}"),
+                              (_header(headers, ROUTER_SESSION_HEADER), f"header {ROUTER_SESSION_HEADER}"))
         if request.cache_salt is not None:
-            tenant = f"{tenant or 'local'}#{request.cache_salt}"
+            tenant = f"{tenant or 'local'}#{checked_name(request.cache_salt, 'cache_salt')}"
         agent, how = self._agent(fields.agent if fields else None, headers, transcript, tenant)
+        checked_name(agent, _AGENT_PARAMS[how])
         if agent.startswith("<"):
             raise ApiError(400, f"agent names starting with '<' are reserved, got {agent!r}", param="agentcache.agent")
         return Caller(agent, session, tenant, how)
@@ -114,6 +121,7 @@ class Identities:
         own = transcript.own_names
         named = transcript.system_name or (next(iter(own)) if len(own) == 1 else None)
         if named:
+            checked_name(named, "messages.name")  # before an alias remembers it
             if fingerprint is not None:
                 self._remember((tenant, fingerprint), named)
             return named, "name"
@@ -130,6 +138,26 @@ class Identities:
         self._aliases.move_to_end(key)
         while len(self._aliases) > _ALIASES:
             self._aliases.popitem(last=False)
+
+
+_AGENT_PARAMS = {"field": "agentcache.agent", "header": f"header {AGENT_HEADER}", "name": "messages.name",
+                 "alias": "messages.name", "fingerprint": "messages", "default": "messages"}
+
+
+def checked_name(name: str, param: str) -> str:
+    """`name` when it is a bounded, printable name; a 400 naming `param` otherwise."""
+    if len(name) > MAX_NAME_CHARS:
+        raise ApiError(400, f"{param} is {len(name)} characters long; names are at most {MAX_NAME_CHARS}",
+                       param=param)
+    if not name.isprintable():
+        raise ApiError(400, f"{param} holds a control, format or surrogate character; names are printable text",
+                       param=param)
+    return name
+
+
+def _first_name(*candidates: tuple[str | None, str]) -> str | None:
+    """The first name given among (name, param) pairs, checked."""
+    return next((checked_name(name, param) for name, param in candidates if name), None)
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -3,7 +3,7 @@
 Per call, labelled by agent: TTFT and queueing histograms, requests by outcome, prompt, cached
 and reused tokens. Per segment: the strategy's decisions. From the runtime when scraped: hit rate,
 reuse ratio, faults by kind, cancelled calls, and the requests in flight. The agent label set is
-bounded (`AgentLabels`): the first `max_agents` agents keep their names, later ones count as
+bounded (`AgentLabels`): each tenant's first `max_agents` agents keep their names, later ones count as
 "other", so a client that names an agent per request cannot grow the series without bound.
 """
 
@@ -30,19 +30,25 @@ OTHER = "other"
 
 
 class AgentLabels:
-    """The agent label of each agent name: its own for the first `limit` agents, "other" after."""
+    """The agent label of each agent name: its own for each tenant's first `limit` agents, "other" after.
+
+    Bounded per tenant (a salted tenant "<tenant>#<salt>" counts as its tenant), so one tenant naming
+    an agent per request fills only its own share; with names bounded in length (`identity`), the
+    scrape stays bounded too. Tenants with the same agent name share its series."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._known: set[str] = set()
+        self._known: dict[str | None, set[str]] = {}  # tenant -> agents labelled by name
         self._lock = threading.Lock()
 
-    def __call__(self, agent: str) -> str:
+    def __call__(self, agent: str, tenant: str | None = None) -> str:
+        owner = None if tenant is None else tenant.partition("#")[0]
         with self._lock:
-            if agent in self._known:
+            known = self._known.setdefault(owner, set())
+            if agent in known:
                 return agent
-            if len(self._known) < self.limit:
-                self._known.add(agent)
+            if len(known) < self.limit:
+                known.add(agent)
                 return agent
         return OTHER
 
@@ -73,7 +79,7 @@ class ServeMetrics:
 
     def observe(self, result: "CallResult") -> None:
         """A finished call (the runtime's `on_call` sink)."""
-        agent = self.label(result.agent)
+        agent = self.label(result.agent, result.tenant)
         self.ttft.labels(agent).observe(result.ttft_s)
         self.queued.labels(agent).observe(result.queued_s)
         self.prompt_tokens.labels(agent).inc(result.prompt_tokens)
@@ -83,8 +89,8 @@ class ServeMetrics:
             if segment.kind == "ph":
                 self.decisions.labels(segment.decision if segment.decision in _DECISIONS else OTHER).inc()
 
-    def outcome(self, agent: str, outcome: str) -> None:
-        self.requests.labels(self.label(agent), outcome).inc()
+    def outcome(self, agent: str, tenant: str | None, outcome: str) -> None:
+        self.requests.labels(self.label(agent, tenant), outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
