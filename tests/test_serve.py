@@ -99,6 +99,22 @@ def test_openai_sdk_two_agents_sync_and_the_identity_arrives(server):
     assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // block * block
 
 
+def test_an_added_system_message_keeps_the_agent_and_another_first_one_is_another_agent(server):
+    planner, writer = two_agents("s-retry")
+
+    def agent_of(messages: list) -> str:
+        reply = post(server, {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0,
+                              "agentcache": {"session": "s-retry"}})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["agentcache"]["agent"]
+
+    first = agent_of(planner)
+    # Pydantic AI's retry, or a framework's memory note: a second system message after the first
+    retried = planner + [{"role": "system", "content": "Validation failed: answer in JSON. Fix the errors and try again."}]
+    assert agent_of(retried) == first and first.startswith("agent-")
+    assert agent_of(writer) != first
+
+
 def test_a_body_as_vllm_router_forwards_it_is_served_in_the_routers_session(server):
     # vllm-router re-serializes every body with vLLM's and SGLang's extensions at their defaults,
     # and keeps a session on one instance by X-Session-ID: the server takes that as the session

@@ -7,8 +7,8 @@ may hold a "#".
 
 The agent, in order: the request's `agentcache.agent` field (`extra_body`), the
 `X-Agentcache-Agent` header, the `name` on the system message, the one name on the caller's own
-(assistant) messages, what the system prompt's fingerprint was last called by one of those, and
-otherwise the fingerprint itself ("agent-<12 hex>": an unmodified client still gets one agent
+(assistant) messages, what the first system message's fingerprint was last called by one of
+those, and otherwise the fingerprint itself ("agent-<12 hex>": an unmodified client still gets one agent
 per system prompt, so per role). The session: `agentcache.session`, else `X-Agentcache-Session`,
 else `X-Session-ID` (the header routers such as vllm-router keep a session on one instance by),
 else the tenant's default session.
@@ -117,7 +117,7 @@ class Identities:
         header = _header(headers, AGENT_HEADER)
         if header:
             return header, "header"
-        fingerprint = _fingerprint(transcript.system) if transcript.system else None
+        fingerprint = _fingerprint(transcript.system[0]) if transcript.system else None
         own = transcript.own_names
         named = transcript.system_name or (next(iter(own)) if len(own) == 1 else None)
         if named:
@@ -165,5 +165,7 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return value.strip() if value and value.strip() else None
 
 
-def _fingerprint(system: list[str]) -> str:
-    return hashlib.sha256("\x00".join(system).encode()).hexdigest()[:12]
+def _fingerprint(first_system: str) -> str:
+    """The first system message's digest: a framework that adds a system message later (Pydantic AI's
+    retry prompt, a memory note) keeps the agent it had."""
+    return hashlib.sha256(first_system.encode()).hexdigest()[:12]
