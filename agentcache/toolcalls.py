@@ -15,7 +15,11 @@ refuses tool calls. The grammar of a forced call comes from xgrammar's structura
 format (`get_model_structural_tag`), so the constrained call is the call the template describes.
 
 Parsing is ours: a JSON object between the tags is a call; anything else between them is an
-`InvalidToolCall`, kept with its text and the reason, never dropped.
+`InvalidToolCall`, kept with its text and the reason, never dropped. The object after an opening
+tag is decoded whole before its closing tag is looked for, so a tag inside one of its strings
+(`{"arguments": {"text": "</tool_call>"}}`, which the call's grammar allows) does not cut it.
+Tool names follow OpenAI's pattern (`^[a-zA-Z0-9_-]{1,64}$`): they are written into the prompt and
+the grammar as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from agentcache.engine.grammar import MAX_WHITESPACE, OutputConstraint
 from agentcache.errors import InputError
@@ -34,6 +38,8 @@ __all__ = ["ToolCall", "InvalidToolCall", "ParsedOutput", "ToolFormat", "Content
            "no_tool_format", "TOOL_PRESETS"]
 
 TOOL_PRESETS = ("qwen2.5-coder-0.5b", "tiny-qwen2-chat")  # the presets whose chat template can call tools
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
+_JSON = json.JSONDecoder(strict=False)  # raw control characters in strings, as xgrammar allows
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
             raise InputError(f"tool {index} has no name: give {{'name': ..., 'parameters': {{...}}}} or the OpenAI "
                              "shape {'type': 'function', 'function': {...}}")
+        if not TOOL_NAME.fullmatch(function["name"]):
+            raise InputError(f"tool {index}: the name {function['name'][:80]!r} must be 1 to 64 letters, digits, "
+                             "'_' or '-'")
         entry = {"name": function["name"]}
         if function.get("description"):
             entry["description"] = function["description"]
@@ -104,6 +113,33 @@ def _block_pattern(begin: str, end: str) -> re.Pattern[str]:
     """A call block; an unclosed last one ends at the text's end, less a cut-off start of the end tag."""
     cut = "|".join(re.escape(end[:n]) for n in range(len(end) - 1, 0, -1))
     return re.compile(re.escape(begin) + r"(.*?)(?:" + re.escape(end) + r"|\s*(?:" + cut + r")?\Z)", re.DOTALL)
+
+
+def _blocks(text: str, begin: str, end: str) -> Iterator[tuple[int, int, str, Any, str | None]]:
+    """(start, stop, body, value, error) of each call block in `text`: `value` is the JSON value after
+    the opening tag; when none decodes there, `error` says why and the block ends at its closing tag."""
+    pattern = _block_pattern(begin, end)
+    closing = re.compile(r"\s*" + re.escape(end))
+    pos = 0
+    while (start := text.find(begin, pos)) != -1:
+        head = start + len(begin)
+        at = head + len(text[head:]) - len(text[head:].lstrip())  # the body, past whitespace
+        try:
+            value, stop = _JSON.raw_decode(text, at)
+        except ValueError as exc:
+            match = pattern.match(text, start)
+            yield start, match.end(), match.group(1).strip(), None, f"not JSON: {exc}"
+            pos = max(match.end(), head)
+            continue
+        tag = closing.match(text, stop)
+        if tag is not None:
+            block_end = tag.end()
+        elif not text[stop:].strip() or end.startswith(text[stop:].strip()):
+            block_end = len(text)  # an unclosed last block, or one cut inside its closing tag
+        else:
+            block_end = stop
+        yield start, block_end, text[at:stop], value, None
+        pos = block_end
 
 
 def _bare_call(text: str, tool_names: Sequence[str]) -> ToolCall | None:
@@ -151,14 +187,11 @@ class ToolFormat:
         invalid: list[InvalidToolCall] = []
         content: list[str] = []
         cursor = 0
-        for match in _block_pattern(self.begin, self.end).finditer(text):
-            content.append(text[cursor:match.start()])
-            cursor = match.end()
-            body = match.group(1).strip()
-            try:
-                value = json.loads(body, strict=False)  # raw control characters in strings, as xgrammar allows
-            except ValueError as exc:
-                invalid.append(InvalidToolCall(body, f"not JSON: {exc}", _call_id()))
+        for start, stop, body, value, error in _blocks(text, self.begin, self.end):
+            content.append(text[cursor:start])
+            cursor = stop
+            if error is not None:
+                invalid.append(InvalidToolCall(body, error, _call_id()))
                 continue
             if not isinstance(value, dict) or not isinstance(value.get("name"), str):
                 invalid.append(InvalidToolCall(body, 'not an object with a "name"', _call_id()))

@@ -238,6 +238,8 @@ BAD_BODIES = [
     ("tool parameters not an object", {**GOOD, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": "x"}}]}, 400, None, "parameters must be a JSON schema object"),
     ("seed past 64 bits", {**GOOD, "seed": 2**70}, 400, "seed", "seed"),
+    ("tool name with a quote", {**GOOD, "tools": [{"type": "function", "function": {
+        "name": 'lock"door', "parameters": {"type": "object"}}}]}, 400, None, "letters, digits"),
 ]
 
 

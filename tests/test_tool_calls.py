@@ -124,6 +124,23 @@ def test_streamed_content_stops_where_a_call_begins_and_is_a_prefix_of_the_parse
     assert [c.name for c in cut.calls] == ["add"] and not cut.invalid
 
 
+def test_a_closing_tag_inside_a_calls_string_does_not_cut_the_call():
+    text = ('<tool_call>\n{"name": "say", "arguments": {"text": "a </tool_call> b <tool_call> c"}}\n</tool_call>'
+            ' after')
+    parsed = HERMES.parse(text, ["say"])
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("say", {"text": "a </tool_call> b <tool_call> c"})]
+    assert parsed.content == "after" and not parsed.invalid
+
+
+def test_tool_names_follow_openais_pattern():
+    from agentcache.toolcalls import function_tools
+
+    for bad in ('lock"door', "x" * 65, "two words", ""):
+        with pytest.raises(InputError, match="name"):
+            function_tools([{"name": bad, "parameters": {"type": "object"}}])
+    assert function_tools([{"name": "lock_door-2", "parameters": {"type": "object"}}])[0]["function"]["name"] == "lock_door-2"
+
+
 def test_tool_choice_must_name_a_given_tool():
     with pytest.raises(InputError, match="not among the tools"):
         HERMES.constraint([LAMP], "switch")
@@ -165,6 +182,23 @@ def test_constrained_outputs_always_parse_and_the_unconstrained_control_does_not
 
     control = [engine.execute(_request(engine, p, None)).text for p in prompts]
     assert not any(parses(t) for t in control)  # random weights write no JSON unless constrained
+
+
+def test_every_forced_call_that_finishes_is_a_call_even_with_tags_in_its_strings(new_engine):
+    engine = new_engine("tiny-qwen2-chat", pool_blocks=1024)
+    say = {"name": "say", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                         "required": ["text"]}}
+    futures = []
+    for i in range(48):  # random weights at temperature 1 write long strings, tags among them
+        ids = engine.tokenize(f"request {i}: speak", bos=engine.requires_bos)
+        sampling = SamplingParams(max_tokens=256, temperature=1.0, seed=i,
+                                  constraint=HERMES.constraint([say, LAMP], ("required", "say")[i % 2]))
+        futures.append(engine.submit(ExecRequest([SegmentPlan("p", ids)], sampling=sampling)))
+    finished = [r.text for r in (f.result() for f in futures) if r.finish_reason != "length"]
+    assert len(finished) >= 24
+    assert any(t.count("</tool_call>") > 1 for t in finished)  # a closing tag inside a string: the case at stake
+    parsed = [HERMES.parse(t, ["say", "lamp"]) for t in finished]
+    assert all(len(p.calls) == 1 and not p.invalid and not p.content for p in parsed)
 
 
 def test_a_grammar_never_touches_another_request_in_the_same_batch():
