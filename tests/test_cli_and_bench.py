@@ -267,6 +267,13 @@ def test_hit_rate_bench_quick_reports_every_topology_and_policy():
     assert result["topologies"]["selector"]["survival"] > result["topologies"]["selector"]["lru"]
 
 
+def test_forced_calls_bench_quick_returns_every_finished_call_as_a_call():
+    result = _quick("forced_calls.py")
+    assert result["forced_calls"] == 48 == result["finished"] + result["cut_by_length"]
+    assert result["finished"] >= 24 and result["tags_in_strings"] >= 1
+    assert result["as_text"] == 0 and result["aims_met"] == {"as_text": True}
+
+
 def test_scout_overhead_bench_quick_reports_its_keys():
     result = _quick("scout_overhead.py")
     assert set(result["survival_refresh_us"]) == {"6", "12", "24"}
