@@ -146,6 +146,36 @@ def test_stop_string_split_across_tokens_is_found(tiny_engine, monkeypatch):
     assert result.finish_reason == "stop" and result.text == "x"
 
 
+def test_stop_strings_are_found_in_a_tail_at_the_same_token_and_cut_as_in_the_whole_text(tiny_engine):
+    from agentcache.engine.sampling import find_stop, finish_after, stop_window
+
+    engine = tiny_engine
+    text = ("Plan: é then ü; next \u2603 snow, repeated. " * 40) + "END-OF-PLAN é tail"
+    tokens = engine.tokenize(text)
+    decoded: list[int] = []
+
+    def detokenize(ids):
+        decoded.append(len(ids))
+        return engine.detokenize(ids)
+
+    for stops in (("END-OF-PLAN",), ("\u2603 snow, repeated. Plan",), ("é tail", "zzz"), ("never there",)):
+        whole = next((k for k in range(1, len(tokens) + 1)
+                      if find_stop(engine.detokenize(tokens[:k]), stops) is not None), None)  # the old rule
+        decoded.clear()
+        ended = None
+        for k in range(1, len(tokens) + 1):  # as an engine checks each new token
+            if (found := finish_after(tokens[:k], 10**6, stops, True, (), detokenize)) is not None:
+                ended = k, found
+                break
+        if whole is None:
+            assert ended is None and len(tokens) > 2 * stop_window(stops)
+            assert max(decoded) <= stop_window(stops)  # each token's check reads a bounded tail, not the reply
+            continue
+        k, (reason, cut) = ended
+        assert k == whole and reason == "stop"
+        assert cut == engine.detokenize(tokens[:k])[:find_stop(engine.detokenize(tokens[:k]), stops)]
+
+
 def test_request_and_config_validation():
     from agentcache.engine import EngineConfig
 

@@ -238,6 +238,7 @@ BAD_BODIES = [
     ("tool parameters not an object", {**GOOD, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": "x"}}]}, 400, None, "parameters must be a JSON schema object"),
     ("seed past 64 bits", {**GOOD, "seed": 2**70}, 400, "seed", "seed"),
+    ("stop string of 60,000 characters", {**GOOD, "stop": ["x" * 60_000]}, 400, "stop", "at most 256 characters"),
     ("tool name with a quote", {**GOOD, "tools": [{"type": "function", "function": {
         "name": 'lock"door', "parameters": {"type": "object"}}}]}, 400, None, "letters, digits"),
 ]

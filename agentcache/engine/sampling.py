@@ -6,7 +6,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-__all__ = ["choose_token", "find_stop", "finish_after", "GREEDY_BELOW"]
+__all__ = ["choose_token", "find_stop", "finish_after", "stop_window", "GREEDY_BELOW"]
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample like greedy decoding (softmax is one-hot there)
 
@@ -37,6 +37,14 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(found, default=None)
 
 
+def stop_window(stop: Sequence[str]) -> int:
+    """Tokens at the end of the generated ones whose text holds any stop string that ends within
+    the last token: a token holds at least one byte and a character at most 4, so 4 tokens per
+    character of the longest stop string, and a margin for the last token and a character cut at
+    the window's start. Checking only these keeps a token's cost independent of the reply's length."""
+    return 4 * max(len(s) for s in stop) + 8
+
+
 def finish_after(
     generated: Sequence[int], max_tokens: int, stop: Sequence[str], ignore_eos: bool,
     eos_token_ids: Collection[int], detokenize: Callable[[Sequence[int]], str],
@@ -46,8 +54,10 @@ def finish_after(
     one rule, so they agree token for token."""
     if generated[-1] in eos_token_ids and not ignore_eos:
         return "eos", None
-    if stop:
-        # Decode everything again: a character split across tokens only appears once whole.
+    if stop and find_stop(detokenize(generated[-stop_window(stop):]), stop) is not None:
+        # A stop string new in the text ends within the last token's characters, so a tail of tokens
+        # long enough to spell the longest stop string finds it; the cut is placed in the whole text
+        # (decoded once, here), where the earliest stop string begins.
         text = detokenize(generated)
         cut = find_stop(text, stop)
         if cut is not None:

@@ -25,6 +25,7 @@ __all__ = ["ApiError", "ChatRequest", "AgentcacheFields", "read_request", "read_
 # the engine's finish reasons as OpenAI names them ("eos": the model ended its turn)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # in one stop string: each decoded token is checked against a tail this long
 
 
 class ApiError(Exception):
@@ -128,8 +129,9 @@ class ChatRequest(_Strict):
         stops = [value] if isinstance(value, str) else value
         if stops is None:
             return None
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"must be up to {MAX_STOP_STRINGS} non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"must be up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+                             "characters")
         return stops
 
     @field_validator("logit_bias")
