@@ -8,9 +8,10 @@ becomes an `OutputConstraint` or None.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Sequence
 
-from agentcache.engine.grammar import OutputConstraint
+from agentcache.engine.grammar import OutputConstraint, schema_error
 from agentcache.errors import InputError
 
 __all__ = ["read_tool_choice", "response_constraint"]
@@ -62,6 +63,10 @@ def response_constraint(response_format: Any) -> OutputConstraint | None:
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
         if not isinstance(schema, (Mapping, str)):
             raise InputError("response_format {'type': 'json_schema'} needs {'json_schema': {'schema': {...}}}")
+        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        error = schema_error(text)
+        if error is not None:
+            raise InputError(f"response_format: the output constraint (json_schema) cannot be compiled: {error}")
         return OutputConstraint.json_schema(dict(schema) if isinstance(schema, Mapping) else schema)
     raise InputError(f"response_format must be {{'type': 'json_object'}}, {{'type': 'json_schema', 'json_schema': "
                      f"{{'schema': ...}}}} or {{'type': 'text'}}; got {response_format!r}")

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
-from agentcache.engine.grammar import MAX_WHITESPACE, OutputConstraint
+from agentcache.engine.grammar import MAX_WHITESPACE, OutputConstraint, schema_error
 from agentcache.errors import InputError
 
 __all__ = ["ToolCall", "InvalidToolCall", "ParsedOutput", "ToolFormat", "ContentStream", "function_tools",
@@ -100,6 +100,10 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(parameters, Mapping):
             raise InputError(f"tool {index} ({function['name']}): parameters must be a JSON schema object, "
                              f"got {type(parameters).__name__}")
+        error = schema_error(json.dumps(parameters, sort_keys=True))
+        if error is not None:
+            raise InputError(f"tool {index} ({function['name']}): its parameters' JSON schema cannot be compiled: "
+                             f"{error}")
         entry["parameters"] = dict(parameters)
         shaped.append({"type": "function", "function": entry})
     names = [t["function"]["name"] for t in shaped]

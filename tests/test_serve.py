@@ -215,9 +215,14 @@ BAD_BODIES = [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]}, 400,
      "messages[0].tool_calls[0].function.arguments", "JSON object"),
     ("tool_choice of no tool", {**GOOD, "tools": [ADD], "tool_choice": {"type": "function",
-                                                                         "function": {"name": "mul"}}}, 400, None, "mul"),
+                                                                         "function": {"name": "mul"}}}, 400, "tool_choice", "mul"),
     ("uncompilable schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, 400, None, ""),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, 400, "response_format",
+     "no-such-type"),
+    ("tool schema xgrammar cannot follow, tool_choice auto", {**GOOD, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "no-such-type"}}}], "tool_choice": "auto"}, 400, "tools", "no-such-type"),
+    ("invalid UTF-8", b'{"model": "tiny-qwen2-chat", "messages": [{"role": "user", "content": "a\xff"}]}', 400, None,
+     "not UTF-8"),
     ("reply past the context", {**GOOD, "max_tokens": 10**6}, 400, "max_tokens", "at most"),
     ("control token spelled", {**GOOD, "tools": [{"type": "function", "function": {
         "name": "f", "description": "<|im_end|>", "parameters": {"type": "object"}}}]}, 400, None, "control token"),
@@ -240,7 +245,7 @@ BAD_BODIES = [
     ("seed past 64 bits", {**GOOD, "seed": 2**70}, 400, "seed", "seed"),
     ("stop string of 60,000 characters", {**GOOD, "stop": ["x" * 60_000]}, 400, "stop", "at most 256 characters"),
     ("tool name with a quote", {**GOOD, "tools": [{"type": "function", "function": {
-        "name": 'lock"door', "parameters": {"type": "object"}}}]}, 400, None, "letters, digits"),
+        "name": 'lock"door', "parameters": {"type": "object"}}}]}, 400, "tools", "letters, digits"),
 ]
 
 

@@ -407,7 +407,12 @@ async def _read_body(request: Request, limit: int) -> Any:
     except ClientDisconnect:
         raise ApiError(499, "the client disconnected while sending the request") from None
     try:
-        parsed = json.loads(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8: byte {exc.start} ({body[exc.start]:#04x}) begins no "
+                            "character", code="invalid_json") from None
+    try:
+        parsed = json.loads(text)
         json.dumps(parsed, ensure_ascii=False).encode()  # a lone surrogate is no text a model can read
         return parsed
     except RecursionError:

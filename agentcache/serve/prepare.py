@@ -9,11 +9,14 @@ the limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentcache.calls import tokenize_call
 from agentcache.correction.plan import TokenizedCall
 from agentcache.engine.protocol import SamplingParams
+from agentcache.errors import InputError
 from agentcache.output_format import read_tool_choice, response_constraint
 from agentcache.runtime import Runtime
 from agentcache.segments import AgentCall, DispatchEvent
@@ -56,21 +59,34 @@ def prompt_token_ids(runtime: Runtime, request: ChatRequest, transcript: Transcr
     return list(tokenize_call(runtime.engine, call).prompt)
 
 
+@contextmanager
+def _blamed(field: str) -> Iterator[None]:
+    """An InputError raised inside is a 400 whose `param` is `field`."""
+    try:
+        yield
+    except InputError as exc:
+        raise ApiError(400, str(exc), param=field) from None
+
+
 def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript, caller: Caller, *,
                  default_max_tokens: int, max_prompt_tokens: int, user_agent: str | None) -> PreparedCall:
     """The runtime call of `request` by `caller`; an ApiError (or InputError) 400 naming what is wrong."""
-    tools = function_tools(request.tools or ())
+    with _blamed("tools"):
+        tools = function_tools(request.tools or ())
     names = tuple(tool["function"]["name"] for tool in tools)
-    choice = read_tool_choice(request.tool_choice, names)
+    with _blamed("tool_choice"):
+        choice = read_tool_choice(request.tool_choice, names)
     tool_format = runtime.tool_format
     if tools and tool_format is None:
         raise ApiError(400, f"tools: {no_tool_format(runtime.engine.model_name)}", param="tools")
-    constraint = response_constraint(request.response_format)
+    with _blamed("response_format"):
+        constraint = response_constraint(request.response_format)
     if choice not in (None, "none"):
         if constraint is not None:
             raise ApiError(400, f"tool_choice={request.tool_choice!r} forces a tool call and response_format "
                                 "constrains the reply to JSON; a reply cannot be both", param="tool_choice")
-        constraint = tool_format.constraint(tools, choice)
+        with _blamed("tool_choice"):
+            constraint = tool_format.constraint(tools, choice)
 
     call = laid_out(runtime, transcript, caller, tools)
     engine = runtime.engine
