@@ -535,3 +535,31 @@ def test_a_served_request_is_tokenized_once(server, monkeypatch):
     assert len(seen) == 1
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=planner, max_tokens=2, temperature=0, stream=True))
     assert chunks and len(seen) == 2
+
+
+def test_tokenize_passes_its_own_admission_and_a_chat_beside_a_burst_is_served(monkeypatch):
+    import agentcache.serve.app as app_module
+
+    real = app_module.prompt_token_ids
+
+    def slow(*args):  # a long prompt's tokenizing, held long enough for the burst to overlap
+        time.sleep(0.5)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "prompt_token_ids", slow)
+    with ServerThread(create_app(runtime(), ServeConfig(max_tokenizing=1))) as small:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "tokenize me " * 200}]}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as http:
+                tokenizing = [http.post(f"{small.url.removesuffix('/v1')}/tokenize", json=body) for _ in range(6)]
+                chat = http.post(f"{small.url}/chat/completions", json=GOOD)
+                return await asyncio.gather(*tokenizing, chat)
+
+        *tokenized, chat = asyncio.run(burst())
+    codes = [r.status_code for r in tokenized]
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    assert next(r for r in tokenized if r.status_code == 429).json()["error"]["code"] == "queue_full"
+    assert chat.status_code == 200  # /tokenize's places are its own
+    with pytest.raises(InputError, match="max_tokenizing"):
+        ServeConfig(max_tokenizing=0)

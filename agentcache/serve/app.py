@@ -114,6 +114,7 @@ class _Server:
     def __init__(self, runtime: Runtime, config: ServeConfig, admission: Admission) -> None:
         engine = runtime.engine
         self.runtime, self.config, self.admission = runtime, config, admission
+        self.tokenizing = Admission(config.max_tokenizing)  # /tokenize's own places: it never takes a chat's
         self.model = config.model_name or engine.model_name
         self.names = {self.model, engine.model_name}
         self.max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
@@ -207,17 +208,20 @@ def _add_tokenize_route(app: FastAPI, server: _Server) -> None:
         """vLLM's tokenizer route (chat form): the prompt a call would prefill, for routers that
         place requests by cached blocks (vllm-router's kv_aware asks every instance)."""
         tenant = server.tenant(request)
-        body = await _read_body(request, server.config.max_body_bytes)
-        chat = read_tokenize_request(body)
-        if body.get("model") is not None:  # optional in vLLM's /tokenize
-            server.served(body["model"])
-        transcript = read_messages(chat.messages)
-        caller = server.identities.caller(chat, request.headers, transcript, tenant)
+        slot = server.tokenizing.enter()  # before the body is read: a refused request costs nothing more
         try:
+            body = await _read_body(request, server.config.max_body_bytes)
+            chat = read_tokenize_request(body)
+            if body.get("model") is not None:  # optional in vLLM's /tokenize
+                server.served(body["model"])
+            transcript = read_messages(chat.messages)
+            caller = server.identities.caller(chat, request.headers, transcript, tenant)
             tokens = await asyncio.get_running_loop().run_in_executor(
                 None, partial(prompt_token_ids, server.runtime, chat, transcript, caller))
         except _BAD_REQUEST as exc:
             raise ApiError(400, str(exc)) from None
+        finally:
+            slot.release()
         return {"count": len(tokens), "max_model_len": server.runtime.engine.max_context, "tokens": tokens}
 
 

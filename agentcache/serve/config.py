@@ -20,11 +20,13 @@ class ServeConfig:
     # requests served at once (running or waiting in the engine); more are a 429 with Retry-After.
     # None: 4 x the engine's batch
     max_in_flight: int | None = None
+    # /tokenize requests served at once (tokenizing a long prompt holds a worker thread); more are a 429
+    max_tokenizing: int = 2
     max_agents: int = 32  # agents per tenant with a metrics label of their own; the rest are "other"
     drain_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens", "max_agents"):
+        for name in ("max_body_bytes", "default_max_tokens", "max_agents", "max_tokenizing"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InputError(f"ServeConfig.{name} must be a positive int, got {value!r}")
