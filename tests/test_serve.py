@@ -128,9 +128,11 @@ def test_a_body_as_vllm_router_forwards_it_is_served_in_the_routers_session(serv
     assert reply.json()["agentcache"]["session"] == "routed-1" and reply.json()["agentcache"]["instance"]
     header_wins = post(server, routed, headers={"X-Session-ID": "routed-1", "X-Agentcache-Session": "mine"})
     assert header_wins.json()["agentcache"]["session"] == "mine"
-    for field, value in (("ignore_eos", True), ("skip_special_tokens", False), ("continue_final_message", True)):
+    for field, value in (("no_stop_trim", True), ("skip_special_tokens", False), ("continue_final_message", True)):
         refused = post(server, routed | {field: value})
         assert refused.status_code == 400 and field in refused.json()["error"]["param"]
+    long = post(server, routed | {"ignore_eos": True, "max_tokens": 40})  # honoured, as vLLM's load tools use it
+    assert long.json()["usage"]["completion_tokens"] == 40, long.text
 
 
 def test_openai_sdk_async_concurrent_and_streaming_match_the_whole_reply(server):
@@ -306,7 +308,7 @@ def test_a_flood_past_the_limit_gets_429_with_retry_after_and_the_rest_are_serve
 def test_a_client_that_disconnects_mid_stream_cancels_its_engine_request():
     rt = runtime()
     with ServerThread(create_app(rt, ServeConfig())) as alone:
-        body = {**GOOD, "max_tokens": 2000, "stream": True}
+        body = {**GOOD, "max_tokens": 2000, "stream": True, "ignore_eos": True}  # no early end to race
         with httpx.stream("POST", f"{alone.url}/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             received = [next(lines) for _ in range(4)]  # the role chunk and the first text
@@ -563,3 +565,37 @@ def test_tokenize_passes_its_own_admission_and_a_chat_beside_a_burst_is_served(m
     assert chat.status_code == 200  # /tokenize's places are its own
     with pytest.raises(InputError, match="max_tokenizing"):
         ServeConfig(max_tokenizing=0)
+
+
+def test_replies_still_running_at_the_drain_timeout_end_with_an_error_event_and_done_or_a_503():
+    rt = runtime()
+    guarded = ServerThread(create_app(rt, ServeConfig()), drain_s=0.6).__enter__()
+    body = {**GOOD, "max_tokens": 2000, "ignore_eos": True}
+    lines: list[str] = []
+    whole: list[httpx.Response] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{guarded.url}/chat/completions", json=body | {"stream": True},
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if line.startswith("data: ") and len(lines) > 2:
+                    first.set()
+        first.set()
+
+    readers = [threading.Thread(target=read),
+               threading.Thread(target=lambda: whole.append(httpx.post(f"{guarded.url}/chat/completions",
+                                                                        json=body, timeout=60)))]
+    for reader in readers:
+        reader.start()
+    assert first.wait(30)
+    guarded.__exit__(None, None, None)  # as SIGTERM: drain, then stop
+    for reader in readers:
+        reader.join(30)
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "drain" in error["message"]
+    assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
+    assert rt.cancelled_calls == 2 and rt.summary()["calls"] == 0  # both engine requests were dropped

@@ -108,8 +108,8 @@ class ChatRequest(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     # vLLM's and SGLang's request extensions, which routers (vllm-router) add to every body they
     # forward at these defaults: accepted at them (the reasoning switches change nothing here:
-    # no reasoning is parsed out of a reply)
-    ignore_eos: Literal[False] | None = None
+    # no reasoning is parsed out of a reply); ignore_eos is honoured, as vLLM's load generators use it
+    ignore_eos: bool | None = None
     no_stop_trim: Literal[False] | None = None
     continue_final_message: Literal[False] | None = None
     skip_special_tokens: Literal[True] | None = None

@@ -40,6 +40,7 @@ from agentcache.runtime import Runtime
 from agentcache.serve.api import (FINISH_REASONS, ApiError, ChatRequest, chunk, completion, completion_id,
                                   error_body, read_request, read_tokenize_request, usage)
 from agentcache.serve.config import ServeConfig
+from agentcache.serve.drain import Drain, DrainCut, until_drained, within_drain
 from agentcache.serve.identity import METRICS_TENANT, Caller, Identities
 from agentcache.serve.messages import Transcript, read_messages
 from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -101,6 +102,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime, app.state.metrics, app.state.admission = runtime, server.metrics, server.admission
+    app.state.drain = server.drain
     _add_error_handlers(app)
     _add_info_routes(app, server)
     _add_tokenize_route(app, server)
@@ -115,6 +117,7 @@ class _Server:
         engine = runtime.engine
         self.runtime, self.config, self.admission = runtime, config, admission
         self.tokenizing = Admission(config.max_tokenizing)  # /tokenize's own places: it never takes a chat's
+        self.drain = Drain()  # begun by whoever runs the app (server.py) when it stops
         self.model = config.model_name or engine.model_name
         self.names = {self.model, engine.model_name}
         self.max_prompt = min(config.max_prompt_tokens or engine.max_context, engine.max_context)
@@ -242,7 +245,7 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             server.refused(agent, tenant, error)
             raise
         reply = _Reply(server.runtime, prepared, chat.model, chat.include_usage, caller.how,  # the name asked for
-                       server.metrics)
+                       server.metrics, server.drain)
         if chat.stream:
             return StreamingResponse(reply.events(slot), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -257,9 +260,9 @@ class _Reply:
     """One request's reply: whole (JSON) or streamed (SSE)."""
 
     def __init__(self, runtime: Runtime, prepared: PreparedCall, model: str, include_usage: bool, how: str,
-                 metrics: ServeMetrics) -> None:
+                 metrics: ServeMetrics, drain: Drain) -> None:
         self.runtime, self.prepared, self.model = runtime, prepared, model
-        self.include_usage, self.how, self.metrics = include_usage, how, metrics
+        self.include_usage, self.how, self.metrics, self.drain = include_usage, how, metrics, drain
         self.id = completion_id()
         self.cancel = threading.Event()
 
@@ -274,8 +277,13 @@ class _Reply:
     async def whole(self, request: Request) -> Response:
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.cancel))
         try:
-            result = await self.runtime.arun(self.prepared.call, self.prepared.sampling, event=self.prepared.event,
-                                             cancelled=self.cancel, tokenized=self.prepared.tokenized)
+            result = await within_drain(self.runtime.arun(self.prepared.call, self.prepared.sampling,
+                                                          event=self.prepared.event, cancelled=self.cancel,
+                                                          tokenized=self.prepared.tokenized), self.drain)
+        except DrainCut as exc:
+            self.cancel.set()
+            self.metrics.outcome(self.agent, self.tenant, "cancelled")
+            raise ApiError(503, str(exc), code="server_shutting_down") from None
         except asyncio.CancelledError:  # the handler itself was cancelled (a shutdown past its drain time)
             self.cancel.set()
             raise
@@ -307,9 +315,9 @@ class _Reply:
             stream = None if self.prepared.tool_format is None else ContentStream(self.prepared.tool_format)
             result = None
             try:
-                async for item in astream_call(self.runtime, self.prepared.call, self.prepared.sampling,
-                                               self.prepared.event, cancelled=self.cancel,
-                                               tokenized=self.prepared.tokenized):
+                async for item in until_drained(astream_call(self.runtime, self.prepared.call, self.prepared.sampling,
+                                                             self.prepared.event, cancelled=self.cancel,
+                                                             tokenized=self.prepared.tokenized), self.drain):
                     if isinstance(item, CallResult):
                         result = item
                         break
@@ -318,6 +326,13 @@ class _Reply:
                         yield _sse(chunk(self.id, self.model, created, {"content": text}))
             except RequestCancelled:
                 return  # counted as cancelled below
+            except DrainCut as exc:
+                self.cancel.set()  # the engine drops the request
+                self.metrics.outcome(self.agent, self.tenant, "cancelled")
+                yield _sse(error_body(ApiError(503, str(exc), code="server_shutting_down")))
+                yield "data: [DONE]\n\n"
+                finished = True
+                return
             except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
                 bad = isinstance(exc, _BAD_REQUEST)
                 if not bad:

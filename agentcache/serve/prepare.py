@@ -109,7 +109,8 @@ def prepare_call(runtime: Runtime, request: ChatRequest, transcript: Transcript,
     sampling = SamplingParams(
         max_tokens=wanted if wanted is not None else min(default_max_tokens, room),
         temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed, stop=stops, constraint=constraint)
+        top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed, stop=stops, constraint=constraint,
+        ignore_eos=bool(request.ignore_eos))
     event = DispatchEvent(agent=caller.agent, session=caller.session, framework=FRAMEWORK,
                           caller=(user_agent or None) and user_agent[:80], messages=len(request.messages))
     parsing = tool_format if tools and choice != "none" else None

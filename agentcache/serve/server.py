@@ -3,6 +3,8 @@
 uvicorn's own graceful shutdown is the drain: on SIGTERM or SIGINT it stops accepting
 connections, lets the requests in flight finish (streams included) for up to `drain_s`, then
 returns; the runtime is closed after that, which saves the persisted anchor pools atomically.
+The app's `Drain` is begun at the same moment, so a stream still running near the end closes
+with an error event and `[DONE]` (`serve.drain`) instead of being cut.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def serve(runtime: Runtime, config: ServeConfig, *, host: str = "127.0.0.1", por
 
     check_bind(host, config)
     app = create_app(runtime, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                           timeout_graceful_shutdown=config.drain_s, lifespan="off"))
+    server = _draining_server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                                  timeout_graceful_shutdown=config.drain_s, lifespan="off"))
     # uvicorn drains, then raises the signal again under the handler it found: ours ends the process
     # through the `finally` below (a plain SIGTERM would end it before the anchors are saved)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -67,6 +69,18 @@ def serve(runtime: Runtime, config: ServeConfig, *, host: str = "127.0.0.1", por
         log.info("agentcache serve: stopped")
 
 
+def _draining_server(app, config):
+    """A uvicorn server that begins the app's `Drain` when a signal stops it."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            app.state.drain.begin(config.timeout_graceful_shutdown or 0.0)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
 class ServerThread:
     """An application served on a free loopback port by a thread of this process (tests,
     benchmarks, notebooks): `with ServerThread(app) as server: OpenAI(base_url=server.url)`."""
@@ -78,8 +92,10 @@ class ServerThread:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                                    timeout_graceful_shutdown=drain_s))
+        self.server = _draining_server(app, uvicorn.Config(app, log_level="warning", access_log=False,
+                                                           lifespan="off", timeout_graceful_shutdown=drain_s))
+        self._drain_s = drain_s
+        self._app = app
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
                                         name="agentcache-serve", daemon=True)
 
@@ -93,6 +109,7 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._app.state.drain.begin(self._drain_s)
         self.server.should_exit = True
         self._thread.join(60)
         self._socket.close()
