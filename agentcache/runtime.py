@@ -153,6 +153,8 @@ class Runtime:
         """A call's story (see the module's description), told once for `run` and `arun` (`arguments`: theirs)."""
         flight = yield Do(PLANNING, self._enter, (arguments, started))
         try:
+            if flight.sampling.constraint is not None:  # compiled off the planning thread
+                yield Await.result(self.engine.constraint_ready(flight.sampling.constraint))
             yield Await(flight.awaited)  # shared context in flight, with no lock held
             yield Do(PLANNING, self._plan, (flight,))
             while True:

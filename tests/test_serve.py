@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -599,3 +601,32 @@ def test_replies_still_running_at_the_drain_timeout_end_with_an_error_event_and_
     assert error["code"] == "server_shutting_down" and "drain" in error["message"]
     assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
     assert rt.cancelled_calls == 2 and rt.summary()["calls"] == 0  # both engine requests were dropped
+
+
+def test_a_slow_schema_compiles_aside_and_an_unrelated_request_is_not_held(server):
+    rng = random.Random(7)
+    values = ["".join(rng.choices(string.ascii_letters + string.digits, k=14)) for _ in range(6000)]  # ~1 s to compile
+    slow_body = {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "pick", "schema": {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}}}}
+    slow: list[float] = []
+
+    def send_slow() -> None:
+        began = time.perf_counter()
+        assert post(server, slow_body).status_code == 200
+        slow.append(time.perf_counter() - began)
+
+    sender = threading.Thread(target=send_slow)
+    sender.start()
+    time.sleep(0.2)  # the slow schema is compiling
+    unrelated = []
+    for _ in range(3):
+        began = time.perf_counter()
+        assert post(server, GOOD).status_code == 200
+        unrelated.append(time.perf_counter() - began)
+    sender.join(60)
+    assert max(unrelated) < 0.5 * slow[0], (unrelated, slow)  # before: each waited for the compile
+    huge = {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "pick", "schema": {"enum": [f"v{i:07d}" for i in range(14000)]}}}}
+    refused = post(server, huge)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    assert "characters as JSON, over the" in refused.json()["error"]["message"]

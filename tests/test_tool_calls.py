@@ -4,11 +4,14 @@ output constraints on both engines (a request's grammar never touches another's 
 from __future__ import annotations
 
 import json
+import random
+import string
+import time
 
 import pytest
 
 from agentcache import Runtime, RuntimeConfig, SamplingParams
-from agentcache.engine.grammar import OutputConstraint
+from agentcache.engine.grammar import COMPILE_BUDGET_S, MAX_CONSTRAINT_CHARS, OutputConstraint
 from agentcache.engine.protocol import ExecRequest, SegmentPlan
 from agentcache.errors import InputError
 from agentcache.toolcalls import HERMES, ToolCall, ToolFormat
@@ -225,6 +228,37 @@ def test_a_constraint_that_cannot_compile_fails_at_submit_and_the_engine_goes_on
     with pytest.raises(InputError, match="kind must be one of"):
         OutputConstraint("regex", "a+")
     assert engine.execute(_request(engine, "still here", OutputConstraint.json_schema(VERDICT))).text.startswith("{")
+
+
+def _enum_schema(values: int, seed: int) -> OutputConstraint:
+    """A schema whose compile time grows fast with `values`: an enum of random strings (few shared prefixes)."""
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits
+    return OutputConstraint.json_schema({"enum": ["".join(rng.choices(alphabet, k=14)) for _ in range(values)]})
+
+
+def test_a_constraint_compiles_off_the_callers_thread_within_its_budgets(new_engine):
+    engine = new_engine("tiny-qwen2-chat", pool_blocks=128)
+    too_big = OutputConstraint.json_schema({"enum": [f"v{i:07d}" for i in range(14000)]})  # about 150 KB
+    with pytest.raises(InputError, match=f"over the {MAX_CONSTRAINT_CHARS} a constraint may have"):
+        engine.constraint_ready(too_big).result(5)
+    slow = _enum_schema(3000, seed=1)  # about 0.3 s to compile on one core
+    engine.grammars.budget_s = 0.02
+    began = time.perf_counter()
+    pending = engine.constraint_ready(slow)
+    assert time.perf_counter() - began < 0.05 and not pending.done()  # the caller is not held
+    with pytest.raises(InputError, match="did not compile within its 0.02 s budget"):
+        pending.result(10)
+    began = time.perf_counter()
+    with pytest.raises(InputError, match="did not compile within"):  # remembered: refused at once
+        engine.constraint_ready(slow).result(10)
+    assert time.perf_counter() - began < 0.1
+    engine.grammars.budget_s = COMPILE_BUDGET_S
+    deadline = time.monotonic() + 20  # the compile that ran out of time still ends on its worker: then it is served
+    while time.monotonic() < deadline and engine.constraint_ready(slow).exception(10) is not None:
+        time.sleep(0.05)
+    engine.constraint_ready(slow).result(0)
+    assert engine.execute(_request(engine, "enum", slow, 24)).text.startswith('"')
 
 
 @pytest.mark.vllm

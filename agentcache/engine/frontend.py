@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
-from agentcache.engine.grammar import Grammars
+from agentcache.engine.grammar import Grammars, OutputConstraint
 from agentcache.engine.kv import KVLayout, SegmentKV, all_finite
 from agentcache.engine.protocol import ExecRequest, Step, TokenRecompute
 from agentcache.engine.rope import RopeAligner
@@ -126,6 +127,11 @@ class ModelFrontend:
     def grammars(self) -> Grammars:
         """The constraints compiled for this vocabulary (built on the first constrained request)."""
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def constraint_ready(self, constraint: OutputConstraint) -> Future:
+        """A future done once `constraint` is compiled off the caller's thread, within the size and
+        time budgets (`Grammars.ready`), so `submit` finds it compiled; failed with an InputError."""
+        return self.grammars.ready(constraint)
 
     # --- KV helpers -------------------------------------------------------------------------
 

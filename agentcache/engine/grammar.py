@@ -8,7 +8,12 @@ hands it to vLLM's structured outputs; the embedded engine enforces it here, wit
   tool-call arguments with at most `MAX_WHITESPACE` whitespace characters in a row: a model
   (above all a random-weight one) can otherwise fill its tokens with blank runs.
 - `Grammars` compiles a constraint once per engine (cached by its text), against the engine's
-  vocabulary. A constraint xgrammar cannot compile is an `InputError` at submit, naming why.
+  vocabulary, on worker threads of its own (`ready`; xgrammar releases the GIL), within a size
+  budget (`MAX_CONSTRAINT_CHARS`) and a time budget (`COMPILE_BUDGET_S`): compiling can take
+  seconds (a 10,000-value enum: 5 s), and on the runtime's planning thread it would stall every
+  other call. A constraint xgrammar cannot compile, or not within the budgets, is an `InputError`
+  naming why; one that ran out of time is remembered, so sending it again fails at once (until its
+  compile, which cannot be stopped, has finished on its worker: then it is served).
 - `GrammarState` is one request's matcher. Before a token is chosen, `mask_rows` sets the logits
   of every token the grammar forbids to -inf, row by row, for the constrained rows of a batch only
   (an unconstrained row is never touched); after, the chosen token advances the matcher.
@@ -27,6 +32,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Collection, Literal, Sequence
 
@@ -34,24 +40,33 @@ import torch
 
 from agentcache.errors import InputError
 
-__all__ = ["MAX_WHITESPACE", "OutputConstraint", "Grammars", "GrammarState", "mask_rows", "schema_error"]
+__all__ = ["MAX_WHITESPACE", "MAX_CONSTRAINT_CHARS", "COMPILE_BUDGET_S", "OutputConstraint", "Grammars", "GrammarState",
+           "mask_rows", "schema_error"]
 
 ConstraintKind = Literal["json_schema", "json_object", "structural_tag"]
 _KINDS = ("json_schema", "json_object", "structural_tag")
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[16:42:40] /project/cpp/x.cc:49: "
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # JSON mode: any one JSON object
 MAX_WHITESPACE = 2  # runs of JSON whitespace a constrained output may hold (no endless blank runs)
+# The budgets of one constraint. 128 KiB holds OpenAI's own schema limits (120,000 characters of names
+# and enum values); the slowest such schema measured (a 7,000-value enum of random strings) compiles
+# in about 2.5 s on one core of a 2-core CPU, so 10 s refuses only the pathological.
+MAX_CONSTRAINT_CHARS = 128 * 1024
+COMPILE_BUDGET_S = 10.0
+COMPILE_THREADS = 2  # one slow compile leaves a thread for everyone else's
 
 
 @functools.lru_cache(maxsize=256)  # agents send the same schemas with every call
 def schema_error(schema_json: str) -> str | None:
     """Why xgrammar cannot follow the JSON schema `schema_json` (its message, less its source
-    location), or None. Converting a schema to a grammar takes milliseconds (a 10,000-value enum:
+    location, or the size budget it exceeds), or None. Converting a schema to a grammar takes milliseconds (a 10,000-value enum:
     8 ms); compiling it against a vocabulary, at submit, is the costly step. So a request's schemas
     (tools, forced or not, and response_format) are checked where the request is read, and a bad
     one is a 400 naming its field rather than a failure at submit."""
     from xgrammar import Grammar
 
+    if len(schema_json) > MAX_CONSTRAINT_CHARS:
+        return _too_long(len(schema_json))
     try:
         Grammar.from_json_schema(schema_json)
     except (RuntimeError, ValueError) as exc:
@@ -103,28 +118,77 @@ class OutputConstraint:
 COMPILED_KEPT = 256  # compiled constraints kept per engine, least recently used dropped first
 
 
-class Grammars:
-    """Compiled constraints of one engine's vocabulary. Thread-safe: `compile` runs in the
-    submitting thread (so a bad constraint fails there), matchers on the engine's thread."""
+def _too_long(chars: int) -> str:
+    return f"it is {chars} characters as JSON, over the {MAX_CONSTRAINT_CHARS} a constraint may have"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
+
+class Grammars:
+    """Compiled constraints of one engine's vocabulary. Thread-safe: `ready` compiles on a worker
+    thread, `compile` on the calling one (a cache hit once `ready` is done), matchers run on the
+    engine's thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int], *,
+                 budget_s: float = COMPILE_BUDGET_S) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
+        self.budget_s = budget_s
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
         self._compiled: OrderedDict[OutputConstraint, Any] = OrderedDict()  # the newest COMPILED_KEPT
+        self._refused: OrderedDict[OutputConstraint, str] = OrderedDict()  # over the time budget: why
+        self._workers = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="agentcache-grammar")
         self._lock = threading.Lock()
 
+    def ready(self, constraint: OutputConstraint) -> "Future[None]":
+        """A future done once `constraint` is compiled on a worker thread (at once when it already
+        is), failed with an InputError when it cannot be within the budgets."""
+        done: Future = Future()
+        with self._lock:
+            if constraint in self._compiled:
+                done.set_result(None)
+                return done
+
+        def compile_in_budget() -> None:  # on a worker: the budget counts from here, not from the queue
+            timer = threading.Timer(self.budget_s, self._out_of_time, (constraint, done))
+            timer.daemon = True
+            timer.start()
+            try:
+                self.compile(constraint)
+                _settle(done, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                _settle(done, exc)
+            finally:
+                timer.cancel()
+
+        self._workers.submit(compile_in_budget)
+        return done
+
+    def _out_of_time(self, constraint: OutputConstraint, done: Future) -> None:
+        why = (f"the output constraint ({constraint.kind}) did not compile within its {self.budget_s:g} s budget: "
+               "make it smaller (fewer enum values, properties or alternatives)")
+        with self._lock:
+            self._refused[constraint] = why
+            while len(self._refused) > COMPILED_KEPT:
+                self._refused.popitem(last=False)
+        _settle(done, InputError(why))
+
     def compile(self, constraint: OutputConstraint) -> Any:
-        """The compiled grammar of `constraint`; an InputError naming the problem when it cannot be."""
+        """The compiled grammar of `constraint`, compiled on this thread if need be (see `ready`);
+        an InputError naming the problem when it cannot be."""
         with self._lock:
             found = self._compiled.get(constraint)
             if found is not None:
                 self._compiled.move_to_end(constraint)
                 return found
+            refused = self._refused.get(constraint)
+        if refused is not None:
+            raise InputError(refused)
+        if len(constraint.spec) > MAX_CONSTRAINT_CHARS:
+            raise InputError(f"the output constraint ({constraint.kind}) is not compiled: "
+                             f"{_too_long(len(constraint.spec))}")
         try:
             if constraint.kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(constraint.spec)
@@ -162,6 +226,17 @@ class GrammarState:
     @property
     def complete(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def _settle(done: Future, error: BaseException | None) -> None:
+    """`done` succeeds, or fails with `error`, unless it already has (the budget and the compile race)."""
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def _reason(exc: Exception) -> str:

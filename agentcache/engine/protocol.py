@@ -367,6 +367,11 @@ class Engine(Protocol):
 
     def realign(self, kv: SegmentKV, start: int) -> SegmentKV: ...
 
+    def constraint_ready(self, constraint: OutputConstraint) -> "Future[None]":
+        """Compile an output constraint off the caller's thread (compiling can take seconds); done
+        once `submit` will find it compiled, failed with an InputError when it cannot be."""
+        ...
+
     def submit(self, request: ExecRequest) -> "Future[ExecResult]":
         """Queue a request to run alongside others; a malformed request raises here."""
         ...

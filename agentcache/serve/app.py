@@ -144,6 +144,13 @@ class _Server:
             prepared = await asyncio.get_running_loop().run_in_executor(None, partial(
                 prepare_call, self.runtime, chat, transcript, caller, default_max_tokens=self.config.default_max_tokens,
                 max_prompt_tokens=self.max_prompt, user_agent=request.headers.get("user-agent")))
+            constraint = prepared.sampling.constraint
+            if constraint is not None:  # compiled before the status line, off the runtime's threads
+                try:
+                    await asyncio.wrap_future(self.runtime.engine.constraint_ready(constraint))
+                except InputError as exc:
+                    field = "tools" if constraint.kind == "structural_tag" else "response_format"
+                    raise ApiError(400, f"{field}: {exc}", param=field) from None
         except _BAD_REQUEST as exc:
             slot.release()
             raise ApiError(400, str(exc)) from None
