@@ -155,9 +155,18 @@ def _bare_call(text: str, tool_names: Sequence[str]) -> ToolCall | None:
     except ValueError:
         return None
     if (isinstance(value, dict) and set(value) <= {"name", "arguments"} and value.get("name") in tool_names
-            and isinstance(value.get("arguments", {}), dict)):
+            and isinstance(value.get("arguments", {}), dict) and _is_text(value)):
         return ToolCall(value["name"], value.get("arguments", {}), _call_id())
     return None
+
+
+def _is_text(value: Any) -> bool:
+    """Whether decoded JSON `value` is text throughout: no lone UTF-16 surrogate in any string."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,10 @@ class ToolFormat:
                     pass
             if not isinstance(arguments, dict):
                 invalid.append(InvalidToolCall(body, '"arguments" is not a JSON object', _call_id()))
+                continue
+            if not _is_text(value):  # "\ud800" decodes to no character: it could not be sent as UTF-8
+                invalid.append(InvalidToolCall(body, "the call holds a lone UTF-16 surrogate escape, which is not text",
+                                               _call_id()))
                 continue
             if tool_names and value["name"] not in tool_names:
                 invalid.append(InvalidToolCall(json.dumps(arguments, ensure_ascii=False),

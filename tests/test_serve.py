@@ -630,3 +630,18 @@ def test_a_slow_schema_compiles_aside_and_an_unrelated_request_is_not_held(serve
     refused = post(server, huge)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
     assert "characters as JSON, over the" in refused.json()["error"]["message"]
+
+
+def test_a_reply_that_is_not_text_is_a_clean_500_or_an_error_event_and_done(server, monkeypatch):
+    import agentcache.serve.app as app_module
+
+    # no path of ours makes such a reply now (grammars and the tool-call parser exclude lone
+    # surrogates): the fault is injected where a reply's own figures are made
+    monkeypatch.setattr(app_module._Reply, "_extension", lambda self, result, parsed: {"agent": "a \udde8 b"})
+    whole = post(server, GOOD)
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == "reply_not_text"
+    with httpx.stream("POST", f"{server.url}/chat/completions", json={**GOOD, "stream": True}, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "reply_not_text"
+    monkeypatch.undo()
+    assert post(server, GOOD).status_code == 200

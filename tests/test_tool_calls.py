@@ -26,6 +26,7 @@ ADD = {"type": "function", "function": {
 SWITCH = {"name": "switch", "parameters": {"type": "object", "properties": {
     "on": {"type": "boolean"}, "room": {"enum": ["hall", "kitchen"]}}, "required": ["on", "room"]}}
 LAMP = {"name": "lamp", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}
+SAY = {"name": "say", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
 VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "grade": {"enum": ["a", "b", "c"]}},
            "required": ["ok", "grade"]}
 
@@ -133,6 +134,35 @@ def test_a_closing_tag_inside_a_calls_string_does_not_cut_the_call():
     parsed = HERMES.parse(text, ["say"])
     assert [(c.name, c.arguments) for c in parsed.calls] == [("say", {"text": "a </tool_call> b <tool_call> c"})]
     assert parsed.content == "after" and not parsed.invalid
+
+
+def test_a_call_holding_a_lone_surrogate_escape_is_invalid_and_never_text_that_cannot_be_sent():
+    text = '<tool_call>\n{"name": "say", "arguments": {"text": "a \\udde8 b"}}\n</tool_call>'
+    parsed = HERMES.parse(text, ["say"])
+    assert not parsed.calls and "lone UTF-16 surrogate" in parsed.invalid[0].error
+    assert HERMES.parse('{"name": "say", "arguments": {"text": "\\ud800"}}', ["say"]).calls == ()  # bare form too
+    good = HERMES.parse('<tool_call>\n{"name": "say", "arguments": {"text": "\\ud83d\\ude00"}}\n</tool_call>', ["say"])
+    assert good.calls[0].arguments == {"text": "\U0001F600"} and good.calls[0].arguments_json.encode("utf-8")
+
+
+@pytest.mark.parametrize("constraint", [OutputConstraint.json_schema({"type": "object", "properties": {
+    "a": {"type": "string"}}, "required": ["a"]}), OutputConstraint.json_object(), "tools"], ids=str)
+def test_constrained_json_escapes_no_lone_surrogate(constraint):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from agentcache.engine.grammar import text_grammar
+
+    if constraint == "tools":
+        constraint = HERMES.constraint([SAY], "required")
+        wrap = lambda value: f'<tool_call>\n{{"name": "say", "arguments": {{"text": {value}}}}}\n</tool_call>'  # noqa: E731
+    else:
+        wrap = lambda value: f'{{"a":{value}}}'  # noqa: E731
+    grammar = xgr.Grammar.from_ebnf(text_grammar(constraint))
+    for allowed in ('"x"', '"\\u00e9"', '"\\uD7FF"', '"\\uE000"', '"\\ud83d\\ude00"'):
+        assert accepts(grammar, wrap(allowed)), allowed
+    for lone in ('"\\ud800"', '"\\udde8"', '"\\ud83d"', '"\\ude00\\ud83d"'):
+        assert not accepts(grammar, wrap(lone)), lone
 
 
 def test_tool_names_follow_openais_pattern():

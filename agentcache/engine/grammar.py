@@ -41,7 +41,7 @@ import torch
 from agentcache.errors import InputError
 
 __all__ = ["MAX_WHITESPACE", "MAX_CONSTRAINT_CHARS", "COMPILE_BUDGET_S", "OutputConstraint", "Grammars", "GrammarState",
-           "mask_rows", "schema_error"]
+           "mask_rows", "schema_error", "text_grammar"]
 
 ConstraintKind = Literal["json_schema", "json_object", "structural_tag"]
 _KINDS = ("json_schema", "json_object", "structural_tag")
@@ -116,6 +116,30 @@ class OutputConstraint:
 
 
 COMPILED_KEPT = 256  # compiled constraints kept per engine, least recently used dropped first
+_HEX = "[A-Fa-f0-9]"
+_ANY_ESCAPE = f'("u" {_HEX} {_HEX} {_HEX} {_HEX})'  # xgrammar's JSON string escape: \ud800 included
+_TEXT_ESCAPE = (f'(("u" [0-9A-Ca-cEFef] {_HEX} {_HEX} {_HEX}) | ("u" [Dd] [0-7] {_HEX} {_HEX})'
+                f' | ("u" [Dd] [89ABab] {_HEX} {_HEX} "\\\\u" [Dd] [C-Fc-f] {_HEX} {_HEX}))')  # or a whole pair
+
+
+@functools.lru_cache(maxsize=64)  # vLLM's requests ask for it each time: agents send the same schemas
+def text_grammar(constraint: OutputConstraint) -> str:
+    """`constraint` as xgrammar EBNF that both engines compile. It is xgrammar's own grammar (compact
+    JSON, as vLLM's structured outputs write it with disable_any_whitespace), less one thing: a
+    `\\u` escape of a UTF-16 surrogate is allowed only as a high-low pair. xgrammar allows a lone
+    one (`\\udde8`), which decodes to no character, so the reply could not be sent as UTF-8 and
+    strict JSON parsers (pydantic) refuse it."""
+    from xgrammar import Grammar
+
+    if constraint.kind == "structural_tag":
+        grammar = Grammar.from_structural_tag(constraint.spec)
+    else:
+        schema = constraint.spec if constraint.kind == "json_schema" else JSON_OBJECT_SCHEMA
+        grammar = Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+    text = str(grammar).replace(_ANY_ESCAPE, _TEXT_ESCAPE)
+    if f'"u" {_HEX}' in text:  # xgrammar wrote its escape another way: fail loudly, never allow lone surrogates
+        raise RuntimeError("xgrammar's JSON string escape is not in the form this version of agentcache narrows")
+    return text
 
 
 def _too_long(chars: int) -> str:
@@ -190,11 +214,7 @@ class Grammars:
             raise InputError(f"the output constraint ({constraint.kind}) is not compiled: "
                              f"{_too_long(len(constraint.spec))}")
         try:
-            if constraint.kind == "structural_tag":
-                compiled = self._compiler.compile_structural_tag(constraint.spec)
-            else:  # compact JSON, as vLLM's structured outputs write it with disable_any_whitespace
-                schema = constraint.spec if constraint.kind == "json_schema" else JSON_OBJECT_SCHEMA
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+            compiled = self._compiler.compile_grammar(text_grammar(constraint))
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's compile errors derive from these
             raise InputError(f"the output constraint ({constraint.kind}) cannot be compiled: {_reason(exc)}") from None
         with self._lock:

@@ -254,7 +254,7 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
         reply = _Reply(server.runtime, prepared, chat.model, chat.include_usage, caller.how,  # the name asked for
                        server.metrics, server.drain)
         if chat.stream:
-            return StreamingResponse(reply.events(slot), media_type="text/event-stream",
+            return StreamingResponse(_utf8(reply.events(slot)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(slot.release))
         try:
@@ -310,7 +310,11 @@ class _Reply:
         content, calls = _content_and_calls(result.text, parsed)
         body = completion(self.id, self.model, content, calls, _finish(result, calls), self._usage(result),
                               self._extension(result, parsed))
-        return JSONResponse(body)
+        try:
+            return JSONResponse(body)
+        except UnicodeEncodeError:
+            log.error("a reply held a lone UTF-16 surrogate: answered with a 500")
+            raise _NOT_TEXT from None
 
     async def events(self, slot: _Slot) -> AsyncIterator[str]:
         """The reply as Server-Sent Events. The stream ends early (and the engine request is
@@ -401,6 +405,24 @@ def _content_and_calls(text: str, parsed: ParsedOutput | None) -> tuple[str | No
 
 def _finish(result: CallResult, calls: list[dict[str, Any]]) -> str:
     return "tool_calls" if calls else FINISH_REASONS.get(result.finish_reason, "stop")
+
+
+_NOT_TEXT = ApiError(500, "the reply holds a lone UTF-16 surrogate, which cannot be sent as UTF-8", code="reply_not_text")
+
+
+async def _utf8(events: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """`events` as UTF-8. One that is not text (a lone surrogate) ends the stream with an error event
+    and `[DONE]`, rather than cutting it where the server would fail to encode it."""
+    try:
+        async for event in events:
+            try:
+                yield event.encode("utf-8")
+            except UnicodeEncodeError:
+                log.error("a streamed reply held a lone UTF-16 surrogate: ended with an error event")
+                yield (_sse(error_body(_NOT_TEXT)) + "data: [DONE]\n\n").encode("utf-8")
+                return
+    finally:
+        await events.aclose()
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from agentcache.engine.kv import SegmentKV, prefix_digests
 from agentcache.engine.loop import EngineLoop, EngineShutdown, Job
 from agentcache.engine.precision import dtype_name, resolve_dtype
 from agentcache.engine.protocol import ExecRequest, ExecResult, SegmentOutcome, Step
-from agentcache.engine.grammar import OutputConstraint
+from agentcache.engine.grammar import OutputConstraint, text_grammar
 from agentcache.engine.sampling import finish_after
 from agentcache.engine.vllm.gate import import_vllm, set_threads
 from agentcache.engine.vllm.registry import EXTRA_KEY, REGISTRY, RequestHooks, new_key
@@ -619,16 +619,13 @@ def _phase_hooks(live: _Live, length: int, block_size: int) -> RequestHooks:
 
 
 def _structured_outputs(constraint: OutputConstraint | None) -> Any:
-    """vLLM's structured outputs for an output constraint (its xgrammar backend reads the same specs)."""
+    """vLLM's structured outputs for an output constraint: the embedded engine's grammar, which its
+    xgrammar backend compiles as it is (`text_grammar`: xgrammar's, with no lone surrogate escapes)."""
     if constraint is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    if constraint.kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if constraint.kind == "json_schema":
-        return StructuredOutputsParams(json=constraint.spec)
-    return StructuredOutputsParams(structural_tag=constraint.spec)
+    return StructuredOutputsParams(grammar=text_grammar(constraint))
 
 
 def _vllm_device() -> torch.device:
