@@ -7,8 +7,9 @@ routers). A request's way through:
 1. the tenant from its API key (401 without one, when keys are configured);
 2. the body, read up to `max_body_bytes` (413 past it) and parsed (`read_request`: 400s);
 3. who calls (`identity`), and the call laid out as the adapters lay theirs (`prepare`);
-4. admission: at most `max_in_flight` requests are served at once, the rest get a 429 with
-   `Retry-After` instead of waiting without bound;
+4. admission (`admission.py`): at most `max_in_flight` requests are held at once, the rest get a
+   429 with `Retry-After` instead of waiting without bound; of those, the engine's batch run at
+   once and the others wait their tenant's turn, round robin between tenants;
 5. the call runs on the runtime's event-loop path (`Runtime.arun`): no thread per request.
    A client that disconnects cancels its engine request, which frees its blocks.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import threading
 import time
 from functools import partial
@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
+from agentcache.serve.admission import Admission, Slot
 from agentcache.serve.api import (FINISH_REASONS, ApiError, ChatRequest, chunk, completion, completion_id,
                                   error_body, read_request, read_tokenize_request, usage)
 from agentcache.serve.config import ServeConfig
@@ -56,41 +57,6 @@ log = logging.getLogger(__name__)
 _BAD_REQUEST = (InputError, ContextLengthError, UnsupportedMessageError)  # raised by the runtime on bad input
 
 
-class Admission:
-    """Requests served at once, bounded; the refused get a 429 whose Retry-After is the recent
-    request time (on the event loop's thread only: no lock)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-        self._seconds = 1.0  # moving average of a request's time
-
-    def enter(self) -> "_Slot":
-        if self.in_flight >= self.limit:
-            wait = max(1, math.ceil(self._seconds))
-            raise ApiError(429, f"the server is serving its limit of {self.limit} requests; retry after {wait} s",
-                           code="queue_full", headers={"Retry-After": str(wait)})
-        self.in_flight += 1
-        return _Slot(self, time.perf_counter())
-
-    def _leave(self, entered: float) -> None:
-        self.in_flight -= 1
-        self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - entered)
-
-
-class _Slot:
-    """One admitted request's place; `release` is idempotent (a stream releases it when it ends, and
-    its response's background task again, for a stream that never started)."""
-
-    def __init__(self, admission: Admission, entered: float) -> None:
-        self._admission, self._entered, self._held = admission, entered, True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._admission._leave(self._entered)
-
-
 def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     """The OpenAI-compatible application over `runtime` (which the caller keeps and closes)."""
     config = config or ServeConfig()
@@ -98,7 +64,8 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
         raise InputError(f"create_app(config=...) must be a ServeConfig, got {type(config).__name__}")
     engine = runtime.engine
     batch = engine.max_batch
-    server = _Server(runtime, config, Admission(config.max_in_flight or 4 * batch))
+    server = _Server(runtime, config, Admission(
+        config.max_in_flight or 4 * batch, running=config.max_running or batch, shared=config.api_keys is not None))
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime, app.state.metrics, app.state.admission = runtime, server.metrics, server.admission
@@ -136,9 +103,10 @@ class _Server:
         return _tenant(self.config, request)
 
     async def admit(self, request: Request, chat: ChatRequest, transcript: Transcript,
-                    caller: Caller) -> tuple[_Slot, PreparedCall]:
-        """A slot (or a 429), then the call prepared; the slot is released when preparing fails."""
-        slot = self.admission.enter()  # before the prompt is tokenized: a refused request costs nothing more
+                    caller: Caller) -> tuple[Slot, PreparedCall]:
+        """A place (or a 429), the call prepared, then its tenant's turn to run; the place is released
+        when any of it fails."""
+        slot = self.admission.enter(self.tenant(request))  # before the prompt is tokenized: a refused request costs nothing more
         try:
             # tokenizing a long prompt would hold the event loop (and every stream on it): a worker thread does it
             prepared = await asyncio.get_running_loop().run_in_executor(None, partial(
@@ -151,6 +119,7 @@ class _Server:
                 except InputError as exc:
                     field = "tools" if constraint.kind == "structural_tag" else "response_format"
                     raise ApiError(400, f"{field}: {exc}", param=field) from None
+            await self.admission.turn(slot)
         except _BAD_REQUEST as exc:
             slot.release()
             raise ApiError(400, str(exc)) from None
@@ -316,7 +285,7 @@ class _Reply:
             log.error("a reply held a lone UTF-16 surrogate: answered with a 500")
             raise _NOT_TEXT from None
 
-    async def events(self, slot: _Slot) -> AsyncIterator[str]:
+    async def events(self, slot: Slot) -> AsyncIterator[str]:
         """The reply as Server-Sent Events. The stream ends early (and the engine request is
         cancelled) when the client disconnects: Starlette cancels this generator."""
         created = int(time.time())

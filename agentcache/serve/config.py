@@ -20,6 +20,9 @@ class ServeConfig:
     # requests served at once (running or waiting in the engine); more are a 429 with Retry-After.
     # None: 4 x the engine's batch
     max_in_flight: int | None = None
+    # of those, requests running on the runtime at once; the others wait their tenant's turn, handed
+    # round robin between tenants (serve/admission.py). None: the engine's batch
+    max_running: int | None = None
     # /tokenize requests served at once (tokenizing a long prompt holds a worker thread); more are a 429
     max_tokenizing: int = 2
     max_agents: int = 32  # agents per tenant with a metrics label of their own; the rest are "other"
@@ -30,7 +33,7 @@ class ServeConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InputError(f"ServeConfig.{name} must be a positive int, got {value!r}")
-        for name in ("max_prompt_tokens", "max_in_flight"):
+        for name in ("max_prompt_tokens", "max_in_flight", "max_running"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise InputError(f"ServeConfig.{name} must be a positive int or None, got {value!r}")
