@@ -144,7 +144,8 @@ def test_tokenize_gives_the_tokens_a_chat_call_prefills():
         assert rt.results[-1].prompt_tokens == tokens["count"]
         assert httpx.post(f"{base}/tokenize", json={"model": "other", "messages": messages}).status_code == 404
         for bad, field in (({"prompt": "hi"}, "prompt"), ({"messages": messages, "add_generation_prompt": False},
-                                                          "add_generation_prompt"), ({"model": "x"}, "messages")):
+                                                          "add_generation_prompt"), ({"model": "x"}, "messages"),
+                           ({"model": [], "messages": messages}, "model"), ({"model": {}, "messages": messages}, "model")):
             refused = httpx.post(f"{base}/tokenize", json=bad, timeout=30)
             assert refused.status_code == 400 and field in refused.json()["error"]["message"]
     rt.close()

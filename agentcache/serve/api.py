@@ -123,6 +123,11 @@ class ChatRequest(_Strict):
     def _number(cls, value: Any) -> Any:
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
+    @field_validator("max_tokens", "max_completion_tokens", "seed", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:  # JSON's 16.0 is the integer 16 (JSON Schema's reading; some clients write it)
+        return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**63 else value
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str] | None:
@@ -181,6 +186,9 @@ def read_tokenize_request(body: Any) -> ChatRequest:
         raise ApiError(400, f"{field}: only the prompt as a call prefills it is tokenized here", param=field)
     if "messages" not in body:
         raise ApiError(400, "messages: /tokenize takes the chat form (messages) only", param="messages")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"model: must be a string, got {type(body['model']).__name__}", param="model",
+                       code="invalid_value")
     return read_request({"model": body.get("model") or "-", "messages": body["messages"], "tools": body.get("tools"),
                          "continue_final_message": body.get("continue_final_message")})
 

@@ -34,6 +34,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from agentcache import __version__
 from agentcache.errors import ContextLengthError, InputError, RequestCancelled
 from agentcache.metrics import CallResult
 from agentcache.runtime import Runtime
@@ -45,6 +46,7 @@ from agentcache.serve.drain import Drain, DrainCut, until_drained, within_drain
 from agentcache.serve.identity import METRICS_TENANT, Caller, Identities
 from agentcache.serve.messages import Transcript, read_messages
 from agentcache.serve.metrics import CONTENT_TYPE, ServeMetrics
+from agentcache.serve.openapi import openapi_document
 from agentcache.serve.prepare import PreparedCall, prepare_call, prompt_token_ids
 from agentcache.streaming import astream_call
 from agentcache.toolcalls import ContentStream, ParsedOutput
@@ -67,7 +69,8 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     server = _Server(runtime, config, Admission(
         config.max_in_flight or 4 * batch, running=config.max_running or batch, shared=config.api_keys is not None))
 
-    app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi_schema = openapi_document(server.model, __version__)  # the routes read their bodies themselves
     app.state.runtime, app.state.metrics, app.state.admission = runtime, server.metrics, server.admission
     app.state.drain = server.drain
     _add_error_handlers(app)
