@@ -282,6 +282,15 @@ def test_fairness_bench_quick_keeps_a_light_tenant_fast_beside_a_heavy_one():
     assert result["one_tenant_ratio"] > 2 * result["fair_ratio"]  # one shared queue: the light request waits its turn
 
 
+def test_serve_soak_bench_quick_serves_every_request_and_reports_the_stores():
+    result = _quick("serve_soak.py")
+    assert result["requests"] == {"new": {"200": 160}, "repeat": {"200": 160}}
+    assert result["held_at_end"]["new"]["sessions"] == 128  # 160 new sessions: the oldest were forgotten
+    assert 0 < result["held_at_end"]["new"]["store_bytes"] < 2**30  # the source store, within its budget
+    low, high = result["rss_mb_range_after_warmup"]["repeat"]
+    assert 0 < low <= high and "aims_met" not in result  # a quick run is too short to judge growth
+
+
 def test_scout_overhead_bench_quick_reports_its_keys():
     result = _quick("scout_overhead.py")
     assert set(result["survival_refresh_us"]) == {"6", "12", "24"}
