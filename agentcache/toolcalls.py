@@ -218,7 +218,7 @@ class ToolFormat:
             if not isinstance(arguments, dict):
                 invalid.append(InvalidToolCall(body, '"arguments" is not a JSON object', _call_id()))
                 continue
-            if not _is_text(value):  # "\ud800" decodes to no character: it could not be sent as UTF-8
+            if not (_is_text(value) and _is_text(arguments)):  # "\ud800" is no character: it cannot be sent as UTF-8
                 invalid.append(InvalidToolCall(body, "the call holds a lone UTF-16 surrogate escape, which is not text",
                                                _call_id()))
                 continue

@@ -81,9 +81,17 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue():
     asyncio.run(main())
 
 
-def test_with_several_tenants_one_tenant_leaves_a_turn_for_another():
+def test_while_several_tenants_are_active_one_tenant_leaves_a_turn_for_another():
     async def main():
-        admission = Admission(limit=8, running=3, shared=True)
+        admission = Admission(limit=8, running=3)
+        alone = [admission.enter("heavy") for _ in range(3)]
+        for slot in alone:
+            await asyncio.wait_for(admission.turn(slot), 1)  # a tenant alone has every turn
+        assert admission.spare == 0
+        for slot in alone:
+            slot.release()
+        admission.enter("light").release()  # another tenant is active now
+        assert admission.spare == 1
         heavy = [admission.enter("heavy") for _ in range(3)]
         turns = [asyncio.ensure_future(admission.turn(slot)) for slot in heavy]
         await asyncio.sleep(0)
@@ -93,6 +101,25 @@ def test_with_several_tenants_one_tenant_leaves_a_turn_for_another():
         heavy[0].release()
         await asyncio.sleep(0)
         assert heavy[2].running and turns[2].done()
-        assert Admission(limit=8, running=3).spare == 0  # one tenant (no keys): every turn is its own
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_before_its_turn_is_handed_is_skipped():
+    async def main():
+        admission = Admission(limit=8, running=1)
+        first = admission.enter("a")
+        await admission.turn(first)
+        cancelled, cancelled_task = await _waiter(admission, "b")
+        later, later_task = await _waiter(admission, "c")
+        cancelled_task.cancel()  # its future is cancelled now; its task's cleanup has not run yet
+        first.release()  # hands the turn on: the cancelled waiter is skipped, not set
+        await asyncio.sleep(0)
+        assert later.running and later_task.done() and not cancelled.running
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled_task
+        cancelled.release()
+        later.release()
+        assert admission.in_flight == 0 and admission.running == 0
 
     asyncio.run(main())

@@ -141,6 +141,8 @@ def test_a_call_holding_a_lone_surrogate_escape_is_invalid_and_never_text_that_c
     parsed = HERMES.parse(text, ["say"])
     assert not parsed.calls and "lone UTF-16 surrogate" in parsed.invalid[0].error
     assert HERMES.parse('{"name": "say", "arguments": {"text": "\\ud800"}}', ["say"]).calls == ()  # bare form too
+    as_string = '<tool_call>\n{"name": "say", "arguments": "{\\"text\\": \\"\\\\ud800\\"}"}\n</tool_call>'
+    assert not HERMES.parse(as_string, ["say"]).calls  # arguments written as a JSON string, decoded again
     good = HERMES.parse('<tool_call>\n{"name": "say", "arguments": {"text": "\\ud83d\\ude00"}}\n</tool_call>', ["say"])
     assert good.calls[0].arguments == {"text": "\U0001F600"} and good.calls[0].arguments_json.encode("utf-8")
 

@@ -171,9 +171,10 @@ class Grammars:
         is), failed with an InputError when it cannot be within the budgets."""
         done: Future = Future()
         with self._lock:
-            if constraint in self._compiled:
-                done.set_result(None)
-                return done
+            known, refused = constraint in self._compiled, self._refused.get(constraint)
+        if known or refused is not None or len(constraint.spec) > MAX_CONSTRAINT_CHARS:
+            _settle(done, self._known_outcome(constraint))  # at once: no worker, no queue
+            return done
 
         def compile_in_budget() -> None:  # on a worker: the budget counts from here, not from the queue
             timer = threading.Timer(self.budget_s, self._out_of_time, (constraint, done))
@@ -189,6 +190,13 @@ class Grammars:
 
         self._workers.submit(compile_in_budget)
         return done
+
+    def _known_outcome(self, constraint: OutputConstraint) -> InputError | None:
+        try:
+            self.compile(constraint)  # a cache hit, or an InputError naming the budget at fault
+        except InputError as exc:
+            return exc
+        return None
 
     def _out_of_time(self, constraint: OutputConstraint, done: Future) -> None:
         why = (f"the output constraint ({constraint.kind}) did not compile within its {self.budget_s:g} s budget: "
@@ -219,6 +227,7 @@ class Grammars:
             raise InputError(f"the output constraint ({constraint.kind}) cannot be compiled: {_reason(exc)}") from None
         with self._lock:
             self._compiled[constraint] = compiled
+            self._refused.pop(constraint, None)  # compiled at last (after its budget): served from now on
             while len(self._compiled) > COMPILED_KEPT:  # a caller sending a new schema per request stays bounded
                 self._compiled.popitem(last=False)
         return compiled

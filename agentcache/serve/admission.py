@@ -5,8 +5,9 @@ are held at once; beyond that a request gets a 429 with `Retry-After` (the recen
 rather than waiting without bound. Of the admitted, at most `running` (the engine's batch) run on
 the runtime at once; the others wait in one queue per tenant, and a freed turn goes to the tenants
 round robin. So a tenant's burst waits behind itself, never in front of another tenant's request.
-With several tenants (API keys), one tenant runs at most all turns but one: a request of another
-tenant then starts at once rather than after one of the busy tenant's requests ends.
+While several tenants are active (each asked for a place within the last minute), one tenant runs
+at most all turns but one: a request of another tenant then starts at once rather than after one
+of the busy tenant's requests ends. A tenant alone has every turn.
 
 When every place is held, a request of a tenant that holds fewer places than the busiest tenant
 takes that tenant's newest waiting place, whose request gets the 429 instead (longest queue drop):
@@ -26,18 +27,18 @@ from collections import Counter, deque
 
 from agentcache.serve.api import ApiError
 
-__all__ = ["Admission", "Slot"]
+__all__ = ["Admission", "Slot", "ACTIVE_S"]
+
+ACTIVE_S = 60.0  # a tenant that asked for a place this recently counts as active
 
 
 class Admission:
     """The places of one route (on the event loop's thread only: no lock)."""
 
-    def __init__(self, limit: int, running: int | None = None, *, shared: bool = False) -> None:
+    def __init__(self, limit: int, running: int | None = None) -> None:
         self.limit = limit
         self.running_limit = running or limit
-        # shared (several tenants): one tenant runs at most all turns but one, so another's request
-        # starts at once instead of waiting for one of its requests to end
-        self.spare = 1 if shared and self.running_limit > 1 else 0
+        self._seen: dict[str | None, float] = {}  # tenant -> when it last asked for a place
         self.in_flight = 0  # places held: waiting or running
         self.running = 0
         self._held: Counter[str | None] = Counter()  # places per tenant
@@ -50,8 +51,20 @@ class Admission:
     def waiting(self) -> int:
         return self.in_flight - self.running
 
+    @property
+    def spare(self) -> int:
+        """Turns no tenant may fill alone: one while several tenants are active (asked for a place
+        within `ACTIVE_S`), so another's request starts at once; none with one tenant, which then
+        has every turn."""
+        now = time.monotonic()
+        for tenant in [t for t, seen in self._seen.items() if now - seen > ACTIVE_S]:
+            del self._seen[tenant]
+        return 1 if len(self._seen) > 1 and self.running_limit > 1 else 0
+
     def enter(self, tenant: str | None = None) -> "Slot":
         """A place for a request of `tenant`, or a 429."""
+        self._seen.pop(tenant, None)
+        self._seen[tenant] = time.monotonic()
         if self.in_flight >= self.limit:
             busiest = self._busiest_waiting()
             if busiest is None or self._held[busiest] <= self._held[tenant] + 1:
@@ -80,7 +93,9 @@ class Admission:
                 self._unqueue(slot)
 
     def _may_run(self, tenant: str | None) -> bool:
-        return self.running < self.running_limit and self._running_by[tenant] < self.running_limit - self.spare
+        if self.running >= self.running_limit:
+            return False
+        return self._running_by[tenant] < self.running_limit - self.spare
 
     def _run(self, slot: "Slot") -> None:
         slot.running = True
@@ -103,6 +118,9 @@ class Admission:
                     self._order.append(tenant)  # its next request waits for the others' turns
                 else:
                     del self._waiting[tenant]
+                if slot._turn.done():  # cancelled while waiting: its task has yet to release it
+                    handed = True
+                    break
                 self._run(slot)
                 slot._turn.set_result(None)
                 handed = True

@@ -67,7 +67,7 @@ def create_app(runtime: Runtime, config: ServeConfig | None = None) -> FastAPI:
     engine = runtime.engine
     batch = engine.max_batch
     server = _Server(runtime, config, Admission(
-        config.max_in_flight or 4 * batch, running=config.max_running or batch, shared=config.api_keys is not None))
+        config.max_in_flight or 4 * batch, running=config.max_running or batch))
 
     app = FastAPI(title="agentcache", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.openapi_schema = openapi_document(server.model, __version__)  # the routes read their bodies themselves
@@ -286,7 +286,7 @@ class _Reply:
             return JSONResponse(body)
         except UnicodeEncodeError:
             log.error("a reply held a lone UTF-16 surrogate: answered with a 500")
-            raise _NOT_TEXT from None
+            raise _not_text() from None
 
     async def events(self, slot: Slot) -> AsyncIterator[str]:
         """The reply as Server-Sent Events. The stream ends early (and the engine request is
@@ -379,7 +379,8 @@ def _finish(result: CallResult, calls: list[dict[str, Any]]) -> str:
     return "tool_calls" if calls else FINISH_REASONS.get(result.finish_reason, "stop")
 
 
-_NOT_TEXT = ApiError(500, "the reply holds a lone UTF-16 surrogate, which cannot be sent as UTF-8", code="reply_not_text")
+def _not_text() -> ApiError:
+    return ApiError(500, "the reply holds a lone UTF-16 surrogate, which cannot be sent as UTF-8", code="reply_not_text")
 
 
 async def _utf8(events: AsyncIterator[str]) -> AsyncIterator[bytes]:
@@ -391,7 +392,7 @@ async def _utf8(events: AsyncIterator[str]) -> AsyncIterator[bytes]:
                 yield event.encode("utf-8")
             except UnicodeEncodeError:
                 log.error("a streamed reply held a lone UTF-16 surrogate: ended with an error event")
-                yield (_sse(error_body(_NOT_TEXT)) + "data: [DONE]\n\n").encode("utf-8")
+                yield (_sse(error_body(_not_text())) + "data: [DONE]\n\n").encode("utf-8")
                 return
     finally:
         await events.aclose()

@@ -171,7 +171,8 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 def _tool_names(tools: list) -> list[str]:
     """The names of the tools offered, sorted (unchecked here: the tools are read, and refused, later)."""
     functions = (tool.get("function", tool) if isinstance(tool, dict) else None for tool in tools)
-    return sorted(str(function.get("name")) for function in functions if isinstance(function, dict))
+    names = (function.get("name") for function in functions if isinstance(function, dict))
+    return sorted(name for name in names if isinstance(name, str))
 
 
 def _fingerprint(first_system: str) -> str:
