@@ -46,14 +46,20 @@ _TEAMS = ["billing", "logistics", "support", "research", "design", "security", "
 _FLOORS = ["first", "second", "third", "fourth", "fifth"]
 
 
-def document_problem(seed: int, people: int = 60) -> Problem:
+def document_problem(seed: int, people: int = 60, *, distinct_names: bool = False) -> Problem:
     """A long staff directory (about 50 tokens per person: 60 people are about 3,000 Gemma tokens)
     and a question about one person's locker code: retrieval from a long shared document, with
-    other numbers about everyone around it. Names repeat with distinct surnames, so only the full
-    name identifies the person."""
+    other numbers about everyone around it. By default first names repeat with distinct surnames,
+    so only the full name identifies the person (hard for a small base model); with
+    `distinct_names` every person has a first name of their own (at most 60 people)."""
     rng = random.Random(seed)
     surnames = ["Silva", "Moreau", "Rossi", "Novak", "Berg", "Costa", "Weber", "Nowak", "Lund", "Ortiz"]
-    full_names = rng.sample([f"{first} {last}" for first in _NAMES for last in surnames], people)
+    if distinct_names:
+        if people > len(_DISTINCT_FIRST_NAMES):
+            raise ValueError(f"distinct_names allows at most {len(_DISTINCT_FIRST_NAMES)} people, got {people}")
+        full_names = [f"{first} {rng.choice(surnames)}" for first in rng.sample(_DISTINCT_FIRST_NAMES, people)]
+    else:
+        full_names = rng.sample([f"{first} {last}" for first in _NAMES for last in surnames], people)
     codes = rng.sample(range(1000, 10000), people)
     paragraphs = []
     for name, code in zip(full_names, codes):
@@ -96,6 +102,10 @@ def arithmetic_problem(seed: int) -> Problem:
     return Problem(text, (start + bought - given) * price, "the answer is")
 
 
+_DISTINCT_FIRST_NAMES = _NAMES + [
+    "Anna", "Boris", "Carla", "David", "Emma", "Felix", "Gina", "Henri", "Ivan", "Julia", "Karim", "Laura",
+    "Mateo", "Nina", "Oscar", "Paula", "Rafael", "Sara", "Tomas", "Ursula", "Victor", "Wanda", "Xavier", "Zoe",
+    "Amir", "Bianca", "Cyril", "Daria", "Emil", "Fatima", "Gustav", "Hanna", "Igor", "Jana", "Leon", "Mira"]
 _CITIES = ["Lisbon", "Porto", "Lyon", "Turin", "Ghent", "Malmo", "Bergen", "Krakow", "Seville", "Graz"]
 # (question, answer) templates over three drawn numbers a, b, c and a name n, GSM8K-style (two steps)
 _WORD_PROBLEMS: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (

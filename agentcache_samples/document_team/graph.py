@@ -18,7 +18,7 @@ from langgraph.graph import END, START, StateGraph
 
 from agentcache_langgraph import AgentCacheChatModel
 
-__all__ = ["AGENTS", "READER", "REVIEWERS", "WRITER", "DocumentState", "build_team"]
+__all__ = ["AGENTS", "INSTRUCT", "SYSTEM", "READER", "REVIEWERS", "WRITER", "DocumentState", "build_team"]
 
 # Gemma 3 270M is a base model: each system prompt carries a short worked example in the
 # transcript's own layout, so the model sees the form of an answer; every agent's example states
@@ -47,6 +47,19 @@ SYSTEM = {
 }
 
 
+# An instruct model (a ChatML one, such as Qwen2.5) is told what to do instead: it would copy an
+# example's code.
+INSTRUCT = {
+    READER: "You are the Reader. Answer the question from the document in one short sentence that states the number.",
+    "fact_checker": "You are the Fact-Checker. Check the reader's answer against the document and state the number "
+                    "the document gives, in one sentence.",
+    "critic": "You are the Critic. Say briefly whether the reader's answer is the one the document gives, and restate "
+              "the right number.",
+    WRITER: "You are the Writer. From the document, the question and your team's notes, write the final answer in "
+            "one sentence that states the number.",
+}
+
+
 class DocumentState(TypedDict, total=False):
     document: str  # the document and the question, one shared message
     notes: Annotated[list[tuple[str, str]], operator.add]  # (agent, text), in the order they finished
@@ -54,23 +67,25 @@ class DocumentState(TypedDict, total=False):
 
 
 def build_team(model: AgentCacheChatModel, writer_model: AgentCacheChatModel | None = None) -> Any:
-    """The compiled graph; `writer_model` (e.g. with fewer tokens) defaults to `model`."""
+    """The compiled graph; `writer_model` (e.g. with fewer tokens) defaults to `model`. A model with
+    a chat format (it follows instructions) gets the instructions, a base model the worked examples."""
+    system = INSTRUCT if model.runtime.chat is not None else SYSTEM
 
     def read(state: DocumentState) -> dict[str, Any]:
-        reply = model.invoke([SystemMessage(SYSTEM[READER]), HumanMessage(state["document"])])
+        reply = model.invoke([SystemMessage(system[READER]), HumanMessage(state["document"])])
         return {"notes": [(READER, reply.content)]}
 
     def review(name: str):
         def node(state: DocumentState) -> dict[str, Any]:
             reader = dict(state["notes"])[READER]
-            reply = model.invoke([SystemMessage(SYSTEM[name]), HumanMessage(state["document"]),
+            reply = model.invoke([SystemMessage(system[name]), HumanMessage(state["document"]),
                                   AIMessage(reader, name=READER)])
             return {"notes": [(name, reply.content)]}
         return node
 
     def write(state: DocumentState) -> dict[str, Any]:
         notes = dict(state["notes"])
-        messages = [SystemMessage(SYSTEM[WRITER]), HumanMessage(state["document"])]
+        messages = [SystemMessage(system[WRITER]), HumanMessage(state["document"])]
         # a fixed order, whichever reviewer finished first: the same prompt for every run
         messages += [AIMessage(notes[name], name=name) for name in (READER, *REVIEWERS)]
         return {"answer": (writer_model or model).invoke(messages).content}

