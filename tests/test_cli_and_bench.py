@@ -385,6 +385,8 @@ def test_real_fidelity_bench_quick_runs_the_swarm_on_real_gsm8k_problems(qwen_mo
     again = _quick("real_fidelity.py", "--log", str(log))
     assert again["resumed_from_log"] == 2 and again["accuracy"] == result["accuracy"]
     assert again["greedy_agreement"] == result["greedy_agreement"]
+    reported = _quick("real_fidelity.py", "--log", str(log), "--from-log", "--problems", "3")  # runs nothing
+    assert reported["problems"] == 2 and reported["of_problems"] == 3 and reported["strategies"] == result["strategies"]
 
 
 def test_real_fidelity_reads_the_stated_answer():

@@ -45,6 +45,7 @@ class LiveRequest:
     finish: str = "length"
     decoding: bool = False  # in the decode rows
     admitted: float = field(default_factory=time.perf_counter)
+    overtaken: int = 0  # prefill passes shorter requests ran before it, in a row (the scheduler bounds it)
 
     @property
     def request(self) -> ExecRequest:

@@ -76,6 +76,11 @@ class PrefillLayout:
     layered: tuple[Layered, ...]  # DroidSpeak: the injected tokens that have source hidden states
 
     @property
+    def dense_positions(self) -> int:
+        """Positions its passes compute: the head and the tail (CacheBlend's picks come later)."""
+        return sum(len(part) for part in self.head) + len(self.tail)
+
+    @property
     def split(self) -> int:
         """Where the placed region starts: the first injected position (the prompt's end if none)."""
         return self.injections[0].start if self.injections else self.end

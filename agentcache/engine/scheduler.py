@@ -178,7 +178,7 @@ class BatchScheduler:
         prefilling = [live for live in self.live if live.prefill is not None]
         if not prefilling:
             return
-        live = min(prefilling, key=lambda x: x.order)
+        live = self._next_prefill(prefilling)
         try:
             next(live.prefill)
             return
@@ -191,6 +191,20 @@ class BatchScheduler:
             self._first_token(live)
         except _CallbackError as exc:
             self._drop(live, exc)
+
+    def _next_prefill(self, prefilling: list[LiveRequest]) -> LiveRequest:
+        """Whose prefill pass runs this step: the first in queue order, except that a request whose
+        whole prefill fits in one pass goes before longer ones of its class, so that a call reusing
+        its shared context (a few tokens of its own) does not wait behind a sibling's dense prefill.
+        The first is overtaken at most `max_batch` times in a row, so it is never starved."""
+        first = min(prefilling, key=lambda x: x.order)
+        short = [live for live in prefilling
+                 if live.order[:2] == first.order[:2] and live.layout.dense_positions <= self.prefill_chunk]
+        if not short or first in short or first.overtaken >= self.max_batch:
+            first.overtaken = 0
+            return first
+        first.overtaken += 1
+        return min(short, key=lambda x: x.order)
 
     # --- decoding --------------------------------------------------------------------------------
 
