@@ -73,6 +73,17 @@ class StrategyRuns:
         return {s: {"anchors": rt.summary().get("anchors_loaded", 0), "verified_edges": rt.summary().get("verified_edges", 0)}
                 for s, rt in self.runtimes.items()}
 
+    def invoke(self, name: str, graph: Any, inputs: dict, thread_id: str,
+               agents: Sequence[str]) -> tuple[dict, list[CallResult], float]:
+        """Run a compiled graph once on strategy `name`'s runtime: its final state, the calls it
+        made in `agents`' order (siblings that ran side by side finish in any order), and its wall time."""
+        runtime = self.runtimes[name]
+        before = len(runtime.results)
+        began = time.perf_counter()
+        state = graph.invoke(inputs, {"configurable": {"thread_id": thread_id}})
+        wall = time.perf_counter() - began
+        return state, sorted(runtime.results[before:], key=lambda r: list(agents).index(r.agent)), wall
+
     def order(self, round_index: int) -> list[str]:
         """The strategies rotated by round, so none always runs first on a warm machine."""
         names = list(self.strategies)

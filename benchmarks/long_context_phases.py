@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +88,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     walls: dict[str, list[float]] = {STRATEGY: [], BASELINE: []}
     for index, problem in enumerate(documents):
         for name in runs.order(index):
-            runtime = runs.runtimes[name]
-            before = len(runtime.results)
-            began = time.perf_counter()
-            teams[name].invoke({"document": problem.text}, {"configurable": {"thread_id": f"{name}-{index}"}})
+            _, made, wall = runs.invoke(name, teams[name], {"document": problem.text}, f"{name}-{index}", AGENTS)
             if index >= args.warmup:
-                walls[name].append(time.perf_counter() - began)
-                calls[name].extend(sorted(runtime.results[before:], key=lambda r: AGENTS.index(r.agent)))
+                walls[name].append(wall)
+                calls[name].extend(made)
     mine = [phases(r) for r in calls[STRATEGY] if r.agent in LATER]
     theirs = [phases(r) for r in calls[BASELINE] if r.agent in LATER]
     probe = runs.runtimes[BASELINE].engine.fresh()  # an empty cache of its own, the same weights

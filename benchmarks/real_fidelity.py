@@ -82,13 +82,8 @@ def run_problem(runs: StrategyRuns, swarms: dict[str, Any], problem: EvalProblem
     """One problem through every strategy's swarm, in rotated order: its record."""
     record: dict[str, Any] = {"id": problem.id, "gold": problem.answer, "kind": problem.kind, "strategies": {}}
     for name in runs.order(index):
-        runtime = runs.runtimes[name]
-        before = len(runtime.results)
-        began = time.perf_counter()
-        state = swarms[name].invoke({"question": problem.question},
-                                    {"configurable": {"thread_id": f"{name}-{problem.id}-{index}"}})
-        wall = time.perf_counter() - began
-        calls = sorted(runtime.results[before:], key=lambda r: AGENTS.index(r.agent))
+        state, calls, wall = runs.invoke(name, swarms[name], {"question": problem.question},
+                                         f"{name}-{problem.id}-{index}", AGENTS)
         answer = stated_answer(state["final"], problem.kind)
         record["strategies"][name] = {"final": state["final"], "answer": answer, "correct": answer == problem.answer,
                                       "wall_s": wall, "calls": [call_record(r) for r in calls]}

@@ -401,3 +401,16 @@ def test_real_fidelity_reads_the_stated_answer():
     assert stated_answer("no number here", "number") is None
     assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is c", "choice") == "C"
     assert stated_answer("I think A or B", "choice") is None
+
+
+@pytest.mark.slow
+def test_long_context_phases_bench_quick_splits_the_later_agents_ttft():
+    result = _quick("long_context_phases.py")
+    assert result["model"] == "gemma3-270m" and result["documents"] == 1
+    assert set(result["per_agent"]) == {"fact_checker", "critic", "writer"} and len(result["calls"]) == 3
+    for call in result["calls"]:
+        parts = call["queued_s"] + call["setup_s"] + call["planning_s"] + call["engine_s"]
+        assert abs(parts - call["ttft_s"]) < 1e-6 and call["engine_s"] > 0 and call["limit_s"] > 0
+        assert call["own_tokens"] == round(call["prompt_tokens"] - call["cached_tokens"] - call["reused_tokens"])
+    assert 0 < result["later_agents_ttft_vs_nonshared"] and 0 < result["limit_vs_nonshared"]
+    assert set(result["phases"]) == {"queued_s", "setup_s", "planning_s", "engine_s", "limit_s"}

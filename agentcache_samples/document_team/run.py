@@ -120,15 +120,10 @@ def _run_documents(runs: StrategyRuns, batch: list, warmup: int, note_tokens: in
         scored = index >= warmup
         for name in runs.order(index + round_offset):
             bar.set_postfix_str(f"{'document' if scored else 'warm-up'} {index + 1}, {name}")
-            runtime = runs.runtimes[name]
-            before = len(runtime.results)
-            began = time.perf_counter()
-            state = teams[name].invoke({"document": problem.text},
-                                       {"configurable": {"thread_id": f"{name}-{title}-{index}"}})
-            wall = time.perf_counter() - began
+            state, calls, wall = runs.invoke(name, teams[name], {"document": problem.text},
+                                             f"{name}-{title}-{index}", AGENTS)
             if scored:
-                # the reviewers ran side by side: keep each document's calls in a fixed agent order
-                out.calls[name].extend(sorted(runtime.results[before:], key=lambda r: AGENTS.index(r.agent)))
+                out.calls[name].extend(calls)
                 out.finals[name].append(state["answer"])
                 out.answers[name].append(stated_code(state["answer"]))
                 out.walls[name].append(wall)
