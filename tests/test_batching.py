@@ -148,15 +148,15 @@ def test_a_prefill_that_fits_one_pass_goes_before_a_longer_one():
     order, gate = [], threading.Event()
     hold = engine.submit(ExecRequest([SegmentPlan("p", engine.tokenize("hold", bos=True))],
                                      SamplingParams(max_tokens=2, ignore_eos=True), on_token=lambda t: gate.wait(10)))
-    while not engine.scheduler.live:
+    deadline = time.monotonic() + 30
+    while not engine.scheduler.live and time.monotonic() < deadline:
         time.sleep(0.001)
-    long_ids = engine.tokenize(text_of_length(engine, 60, seed=3), bos=True)  # 4 passes
+    long_ids = engine.tokenize(text_of_length(engine, 60, seed=3), bos=True)  # many 16-token passes
     short_ids = engine.tokenize("a call", bos=True)  # 7 tokens (a byte tokenizer): one pass
     sampling = SamplingParams(max_tokens=3, ignore_eos=True)
     long = engine.submit(ExecRequest([SegmentPlan("p", long_ids)], sampling, on_token=lambda t: order.append("long")))
     short = engine.submit(ExecRequest([SegmentPlan("p", short_ids)], sampling, on_token=lambda t: order.append("short")))
-    time.sleep(0.05)  # both wait while the held call's callback blocks the engine's loop
-    gate.set()
+    gate.set()  # both were queued while the held call's callback blocked the engine's loop
     results = [f.result(timeout=60) for f in (hold, long, short)]
     assert order[0] == "short" and order.count("long") == 3
     serial = make_engine("tiny-llama", pool_blocks=256, max_batch=1)
@@ -167,20 +167,21 @@ def test_a_prefill_that_fits_one_pass_goes_before_a_longer_one():
 def test_short_prefills_overtake_the_first_at_most_max_batch_times_in_a_row():
     from types import SimpleNamespace
 
-    from agentcache.engine.scheduler import BatchScheduler
+    from agentcache.engine.scheduler import next_prefill
 
     def live(seq: int, positions: int, warmup: bool = False):
-        return SimpleNamespace(order=(warmup, 0, seq), layout=SimpleNamespace(dense_positions=positions), overtaken=0)
+        layout = SimpleNamespace(dense_positions=positions, chunk=4 if warmup else 8)  # a warm-up's chunk is smaller
+        return SimpleNamespace(order=(warmup, 0, seq), layout=layout, overtaken=0)
 
-    scheduler = SimpleNamespace(prefill_chunk=8, max_batch=2)
     long, short, later_short = live(0, 40), live(1, 5), live(2, 3)
     warm_short = live(3, 2, warmup=True)
-    picks = [BatchScheduler._next_prefill(scheduler, [long, short, later_short, warm_short]) for _ in range(3)]
+    picks = [next_prefill([long, short, later_short, warm_short], max_batch=2) for _ in range(3)]
     assert picks == [short, short, long]  # overtaken twice (max_batch), then served
-    assert long.overtaken == 0 and BatchScheduler._next_prefill(scheduler, [long, later_short]) is later_short
-    assert BatchScheduler._next_prefill(scheduler, [live(0, 40, warmup=True), warm_short]) is warm_short
-    assert BatchScheduler._next_prefill(scheduler, [live(5, 4), live(6, 2)]).order[2] == 5  # both short: queue order
-    assert BatchScheduler._next_prefill(scheduler, [long, live(9, 30)]) is long  # neither fits one pass
+    assert long.overtaken == 0 and next_prefill([long, later_short], max_batch=2) is later_short
+    assert next_prefill([live(0, 40, warmup=True), warm_short], max_batch=2) is warm_short
+    assert next_prefill([live(0, 40, warmup=True), live(1, 6, warmup=True)], max_batch=2).order[2] == 0
+    assert next_prefill([live(5, 4), live(6, 2)], max_batch=2).order[2] == 5  # both short: queue order
+    assert next_prefill([long, live(9, 30)], max_batch=2) is long  # neither fits one pass
 
 
 def test_cancel_failures_and_callbacks_fail_only_their_request():

@@ -54,6 +54,33 @@ def test_demo_runs_the_document_team_and_a_second_run_from_the_saved_anchors(tmp
         main(["demo", "--sample", "document_team", "--documents", "0"])
 
 
+def test_the_demo_runs_the_instruct_model_once_it_is_fetched(monkeypatch, capsys):
+    """The document team's demo: Qwen2.5-Coder-0.5B-Instruct when it is ready, else the default
+    model with a note saying how to get the instruct one; its measured sizes are the defaults."""
+    import argparse
+
+    from agentcache import cli
+    from agentcache.models import PRESETS
+
+    ready = {"value": False}
+    monkeypatch.setattr(type(PRESETS["qwen2.5-coder-0.5b"]), "ready", property(
+        lambda preset: ready["value"] if preset is PRESETS["qwen2.5-coder-0.5b"] else True))
+    for fetched, model in ((False, "gemma3-270m"), (True, "qwen2.5-coder-0.5b")):
+        ready["value"] = fetched
+        assert cli._demo_model() == model
+        parser = argparse.ArgumentParser()
+        cli._add_demo(parser.add_subparsers(), "document_team")
+        args = parser.parse_args(["demo"])
+        assert (args.model, args.people, args.distinct_names, args.note_tokens) == (model, 16, True, 24)
+    ready["value"] = False
+    monkeypatch.setattr("agentcache_samples.document_team.run.run_and_report", lambda args, name: 0)
+    assert main(["demo", "--model", "gemma3-270m"]) == 0
+    assert "agentcache models fetch qwen2.5-coder-0.5b" in capsys.readouterr().out
+    ready["value"] = True  # chosen on purpose while the instruct model is there: no advice
+    assert main(["demo", "--model", "gemma3-270m"]) == 0
+    assert "models fetch" not in capsys.readouterr().out
+
+
 def test_bench_command_lists_and_runs_benchmarks(tmp_path, capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()
@@ -387,10 +414,13 @@ def test_real_fidelity_bench_quick_runs_the_swarm_on_real_gsm8k_problems(qwen_mo
     assert again["greedy_agreement"] == result["greedy_agreement"]
     reported = _quick("real_fidelity.py", "--log", str(log), "--from-log", "--problems", "3")  # runs nothing
     assert reported["problems"] == 2 and reported["of_problems"] == 3 and reported["strategies"] == result["strategies"]
+    other = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_fidelity.py"), "--quick", "--log", str(log),
+                            "--expert-tokens", "5"], capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "give this run a log of its own" in other.stderr  # settings differ: refused
 
 
-def test_real_fidelity_reads_the_stated_answer():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+def test_real_fidelity_reads_the_stated_answer(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from real_fidelity import stated_answer
 
     assert stated_answer("4 * 6 = 24, so 24 - 5 = 19. The answer is 19.", "number") == "19"
@@ -399,7 +429,13 @@ def test_real_fidelity_reads_the_stated_answer():
     assert stated_answer("It costs 2.5 dollars", "number") == "2.5"
     assert stated_answer("First 3, then the answer is 7, wait, the answer is 8.", "number") == "8"
     assert stated_answer("no number here", "number") is None
-    assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is c", "choice") == "C"
+    assert stated_answer("The answer is \\(\\boxed{4}\\).", "number") == "4"  # Qwen writes LaTeX
+    assert stated_answer("The answer is \\(\\boxed{18}\\) dollars in 2 days.", "number") == "18"
+    assert stated_answer("So \\boxed{1,250} in all, after 3 days", "number") == "1250"
+    assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is C", "choice") == "C"
+    assert stated_answer("The answer is \\(\\boxed{B}\\).", "choice") == "B"
+    assert stated_answer("The answer is \\(\\text{D}\\)", "choice") == "D"
+    assert stated_answer("The answer is a rock, so B.", "choice") is None  # the article is no choice
     assert stated_answer("I think A or B", "choice") is None
 
 
@@ -409,8 +445,13 @@ def test_long_context_phases_bench_quick_splits_the_later_agents_ttft():
     assert result["model"] == "gemma3-270m" and result["documents"] == 1
     assert set(result["per_agent"]) == {"fact_checker", "critic", "writer"} and len(result["calls"]) == 3
     for call in result["calls"]:
-        parts = call["queued_s"] + call["setup_s"] + call["planning_s"] + call["engine_s"]
-        assert abs(parts - call["ttft_s"]) < 1e-6 and call["engine_s"] > 0 and call["limit_s"] > 0
-        assert call["own_tokens"] == round(call["prompt_tokens"] - call["cached_tokens"] - call["reused_tokens"])
-    assert 0 < result["later_agents_ttft_vs_nonshared"] and 0 < result["limit_vs_nonshared"]
+        assert call["engine_s"] > 0 and call["limit_s"] > 0 and call["queued_s"] >= 0 and call["planning_s"] >= 0
+        # the directory is the first shared segment; what a call reused it does not compute itself
+        assert call["decisions"][0] in ("reused", "corrected", "fallback")
+        assert (call["reused_tokens"] > 0) == (call["decisions"][0] != "fallback")
+    for agent, figures in result["per_agent"].items():  # a few own tokens cost less than the whole prompt's prefill
+        assert figures["own_tokens"] < 200 < result["mean_prompt_tokens"] or figures["reused_tokens"] == 0, agent
+        assert figures["limit_s"] < figures["nonshared_ttft_s"] or figures["reused_tokens"] == 0, agent
+    # whether an edge is verified by the first scored document depends on idle time: not asserted
+    assert result["later_agents_ttft_vs_nonshared"] > 0 and result["limit_vs_nonshared"] > 0
     assert set(result["phases"]) == {"queued_s", "setup_s", "planning_s", "engine_s", "limit_s"}

