@@ -71,14 +71,10 @@ def run_batch(
     for index, problem in enumerate(batch):
         for name in runs.order(index):
             bar.set_postfix_str(f"problem {index + 1}, {name}")
-            runtime = runs.runtimes[name]
-            before = len(runtime.results)
-            began = time.perf_counter()
-            state = swarms[name].invoke({"question": problem.text},
-                                        {"configurable": {"thread_id": f"{name}-{index}"}})
-            walls[name].append(time.perf_counter() - began)
-            # The experts ran concurrently: keep each problem's calls in a fixed agent order for pairing.
-            made = sorted(runtime.results[before:], key=lambda r: _AGENT_ORDER[r.agent])
+            # the experts ran concurrently: each problem's calls come in a fixed agent order, for pairing
+            state, made, wall = runs.invoke(name, swarms[name], {"question": problem.text}, f"{name}-{index}",
+                                            list(_AGENT_ORDER))
+            walls[name].append(wall)
             calls[name].extend(made)
             finals[name].append(state["final"])
             answers[name].append(stated_answer(state["final"]))
