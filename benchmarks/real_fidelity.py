@@ -14,7 +14,8 @@ scored problems:
 - `final_agreement`: it equals NonShared's stated answer on the same problem;
 - `greedy_agreement`: calls whose generated token ids equal NonShared's for the same problem and
   agent; `greedy_agreement_same_prompt` over the calls whose prompt was NonShared's too (every
-  expert; a decision whose experts all agreed), where any difference is the reused cache's;
+  expert; a decision whose experts all agreed), where any difference is the reused cache's, and
+  `decision_greedy_agreement_same_prompt` over those decisions alone;
 - `reuse_ratio` (reused / shared tokens), `prefill_tokens_per_problem`, `wall_s_per_problem` (the
   graph's invoke) and `wall_vs_nonshared`, mean TTFT and `decision_ttft_vs_nonshared`.
 
@@ -111,7 +112,7 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
         runs = [judged(r, name) for r in records]
         base = [judged(r, BASELINE) for r in records]
         calls = [c for run in runs for c in run["calls"]]
-        same, same_prompt = [], []
+        same, same_prompt, decisions_same = [], [], []
         for mine, theirs in zip(runs, base):
             by_agent = {c["agent"]: c["token_ids"] for c in theirs["calls"]}
             experts_agree = all(a["token_ids"] == b["token_ids"] for a, b in zip(mine["calls"], theirs["calls"])
@@ -121,6 +122,8 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
                 same.append(equal)
                 if call["agent"] != DECISION or experts_agree:
                     same_prompt.append(equal)
+                if call["agent"] == DECISION and experts_agree:
+                    decisions_same.append(equal)
         ph = sum(c["ph_tokens"] for c in calls)
         decision = [c["ttft_s"] for c in calls if c["agent"] == DECISION]
         base_decision = [c["ttft_s"] for run in base for c in run["calls"] if c["agent"] == DECISION]
@@ -134,6 +137,8 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
             "greedy_agreement": sum(same) / len(same),
             "greedy_agreement_same_prompt": sum(same_prompt) / len(same_prompt) if same_prompt else None,
             "same_prompt_calls": len(same_prompt),
+            # the decision agent, where the experts' outputs were NonShared's: what reusing them changed
+            "decision_greedy_agreement_same_prompt": sum(decisions_same) / len(decisions_same) if decisions_same else None,
             "reuse_ratio": sum(c["reused_tokens"] for c in calls) / ph if ph else 0.0,
             "prefill_tokens_per_problem": sum(c["prefill_tokens"] for c in calls) / len(runs),
             "prompt_tokens_per_problem": sum(c["prompt_tokens"] for c in calls) / len(runs),
