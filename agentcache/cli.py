@@ -39,7 +39,7 @@ DEMO_SAMPLES = {
 # what `agentcache demo` runs each sample with (the samples' own command lines keep their defaults)
 # (the document team's sizes were measured: docs/quickstart.md says why these)
 DEMO_SETTINGS = {
-    "document_team": dict(documents=3, warmup=1, second_run=1, strategies="kvcmas,nonshared", people=16,
+    "document_team": dict(documents=2, warmup=1, second_run=1, strategies="kvcmas,nonshared", people=16,
                           distinct_names=True, note_tokens=24),
     "gsm8k_swarm": dict(problems=5),
 }

@@ -55,20 +55,30 @@ QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
 FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
 
 
+_NUMBER = r"-?[\d,]*\.?\d+(?!\w|[.,]\d)"  # 1,250 or 2.5 or -10, not the 3 of "3N"
+_FRACTION = re.compile(r"\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}")  # \frac{1}{2}: 0.5
 _LATEX = re.compile(r"\\boxed\{([^{}]*)\}|\\[()\[\]]|\\text\{([^{}]*)\}")  # \boxed{x}, \( \) \[ \], \text{x}
 
 
 def stated_answer(text: str, kind: str) -> str | None:
     """The answer after the last "answer is" (else, for a number, a boxed one, else the last number
     in the text), normalized: a number without commas or a trailing ".0"; a choice's capital
-    letter. LaTeX around it (`\\(\\boxed{18}\\)`) is read through."""
+    letter. LaTeX around it (`\\(\\boxed{18}\\)`) is read through. A stated or boxed answer that
+    is no number ("the answer is 3N - 5", "the answer is N") is None, not the digits in it."""
+    text = _FRACTION.sub(lambda m: format(int(m.group(1)) / int(m.group(2)), "g") if int(m.group(2)) else m.group(0),
+                         text)
     plain = _LATEX.sub(lambda m: m.group(1) or m.group(2) or "", text)
     if kind == "choice":
         found = re.findall(r"(?i:answer is)\s*:?\s*\(?\**([A-E])\b", plain)
         return found[-1] if found else None
-    boxed = re.findall(r"\\boxed\{\s*\$?\s*(-?[\d,]*\.?\d+)", text)
-    found = (re.findall(r"(?i:answer is)\s*:?\s*\**\$?\s*(-?[\d,]*\.?\d+)", plain) or boxed
-             or re.findall(r"-?[\d,]*\.?\d+", plain))
+    stated = re.split(r"(?i:answer is)", plain)
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if len(stated) > 1:  # the number that opens what follows the last "answer is"
+        found = re.findall(rf"^\s*:?\s*\**\$?\s*({_NUMBER})", stated[-1])
+    elif boxed:  # the last boxed answer, if it is a number
+        found = re.findall(rf"^\s*\$?\s*({_NUMBER})\s*$", boxed[-1])
+    else:
+        found = re.findall(_NUMBER, plain)
     if not found:
         return None
     number = found[-1].replace(",", "")

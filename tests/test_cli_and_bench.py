@@ -72,7 +72,7 @@ def test_the_demo_runs_the_instruct_model_once_it_is_fetched(monkeypatch, capsys
         cli._add_demo(parser.add_subparsers(), "document_team")
         args = parser.parse_args(["demo"])
         assert (args.model, args.people, args.distinct_names, args.note_tokens, args.documents, args.second_run) == (
-            model, 16, True, 24, 3, 1)
+            model, 16, True, 24, 2, 1)
     ready["value"] = False
     monkeypatch.setattr("agentcache_samples.document_team.run.run_and_report", lambda args, name: 0)
     assert main(["demo", "--model", "gemma3-270m"]) == 0
@@ -433,6 +433,12 @@ def test_real_fidelity_reads_the_stated_answer(monkeypatch):
     assert stated_answer("The answer is \\(\\boxed{4}\\).", "number") == "4"  # Qwen writes LaTeX
     assert stated_answer("The answer is \\(\\boxed{18}\\) dollars in 2 days.", "number") == "18"
     assert stated_answer("So \\boxed{1,250} in all, after 3 days", "number") == "1250"
+    # an answer that is no number is none, not the digits in it (a real KVCMAS decision on gsm8k-13)
+    assert stated_answer("The answer is \\(\\boxed{3N - 5}\\).", "number") is None
+    assert stated_answer("The answer is N.", "number") is None
+    assert stated_answer("So \\(\\boxed{3N - 5}\\), after 2 days", "number") is None
+    assert stated_answer("The answer is \\(\\boxed{\\frac{1}{2}}\\).", "number") == "0.5"
+    assert stated_answer("x = 3N and 7 more", "number") == "7"
     assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is C", "choice") == "C"
     assert stated_answer("The answer is \\(\\boxed{B}\\).", "choice") == "B"
     assert stated_answer("The answer is \\(\\text{D}\\)", "choice") == "D"
