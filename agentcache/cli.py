@@ -72,12 +72,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _check_model(args.model)
     sample = importlib.import_module(f"agentcache_samples.{args.sample}.run")
-    print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} ({args.engine} engine) under "
+    chosen, args.dtype = args.dtype, _demo_dtype(args)
+    precision = "" if args.dtype == "auto" else f", {args.dtype}"
+    print(f"agentcache demo: {DEMO_SAMPLES[args.sample]}, on {args.model} ({args.engine} engine{precision}) under "
           f"{', '.join(s for s in args.strategies.split(',') if s)} (interleaved)", flush=True)
     if args.sample == "document_team" and args.model == "gemma3-270m" and _demo_model() != DEMO_INSTRUCT_MODEL:
         print(f"note: {args.model} is a small base model: it answered 0.6 to 0.75 of these directories right under "
               f"NonShared. `agentcache models fetch {DEMO_INSTRUCT_MODEL}` (scripts/demo.sh does) and the demo runs "
               "the instruct model.", flush=True)
+    if args.dtype != chosen:
+        print("note: this CPU computes bfloat16 natively, so the demo runs in bfloat16 (--dtype float32 runs "
+              "float32)", flush=True)
     return sample.run_and_report(args, "demo" if args.sample == "document_team" else f"demo_{args.sample}")
 
 
@@ -86,6 +91,17 @@ def _demo_model() -> str:
     from agentcache.models import DEFAULT_MODEL, PRESETS
 
     return DEMO_INSTRUCT_MODEL if PRESETS[DEMO_INSTRUCT_MODEL].ready else DEFAULT_MODEL
+
+
+def _demo_dtype(args: argparse.Namespace) -> str:
+    """The demo's dtype: bfloat16 on the embedded engine where `--dtype auto` runs on a CPU that
+    computes bfloat16 natively (what users deploy, and the demo in about half the time: 3 min 9 s
+    against 5 min 49 s on a 2-core AMD EPYC); else what `--dtype` says."""
+    from agentcache.engine.precision import cpu_computes_bfloat16
+
+    if getattr(args, "dtype", "auto") == "auto" and args.engine == "embedded" and cpu_computes_bfloat16():
+        return "bfloat16"
+    return getattr(args, "dtype", "auto")
 
 
 def _demo_sample(argv: list[str]) -> str:
@@ -368,7 +384,9 @@ def _parser(demo_sample: str | None = None) -> argparse.ArgumentParser:
 
 def _add_demo(commands: argparse._SubParsersAction, demo_sample: str | None) -> None:
     demo = commands.add_parser("demo", help="a LangGraph sample (the document team, or --sample gsm8k_swarm) "
-                                            "under KVCMAS against NonShared")
+                                            "under KVCMAS against NonShared",
+                               epilog="--dtype auto runs the embedded engine in bfloat16 on a CPU that computes "
+                                      "it natively (AVX512-BF16 or AMX), else in float32")
     demo.add_argument("--sample", default="document_team", choices=list(DEMO_SAMPLES))
     if demo_sample is not None:
         import importlib

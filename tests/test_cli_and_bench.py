@@ -54,6 +54,30 @@ def test_demo_runs_the_document_team_and_a_second_run_from_the_saved_anchors(tmp
         main(["demo", "--sample", "document_team", "--documents", "0"])
 
 
+def test_the_demo_runs_in_bfloat16_where_the_cpu_computes_it(monkeypatch):
+    """`--dtype auto` on the embedded engine: bfloat16 on a CPU with bf16 instructions, float32
+    (auto) elsewhere; an explicit dtype and the vLLM engine keep what they were given."""
+    import argparse
+
+    import torch
+
+    from agentcache import cli
+    from agentcache.engine import precision
+
+    def demo(**given):
+        return argparse.Namespace(**{"dtype": "auto", "engine": "embedded", **given})
+
+    for native in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert precision.cpu_computes_bfloat16() is native
+        assert cli._demo_dtype(demo()) == ("bfloat16" if native else "auto")
+        assert cli._demo_dtype(demo(dtype="float32")) == "float32"
+        assert cli._demo_dtype(demo(engine="vllm")) == "auto"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert precision.cpu_computes_bfloat16()
+
+
 def test_the_demo_runs_the_instruct_model_once_it_is_fetched(monkeypatch, capsys):
     """The document team's demo: Qwen2.5-Coder-0.5B-Instruct when it is ready, else the default
     model with a note saying how to get the instruct one; its measured sizes are the defaults."""

