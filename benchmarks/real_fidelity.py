@@ -55,38 +55,58 @@ QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
 FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
 
 
-_NUMBER = r"-?[\d,]*\.?\d+(?!\w|[.,]\d)"  # 1,250 or 2.5 or -10, not the 3 of "3N"
+# 1,250 or 2.5 or -10, not the 3 of "3N" or of "1/2"
+_NUMBER = r"(?<![\w/.])-?[\d,]*\.?\d+(?![\w/]|[.,]\d)"
 _FRACTION = re.compile(r"\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}")  # \frac{1}{2}: 0.5
-_LATEX = re.compile(r"\\boxed\{([^{}]*)\}|\\[()\[\]]|\\text\{([^{}]*)\}")  # \boxed{x}, \( \) \[ \], \text{x}
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")  # \text{x}: x
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_DELIMITERS = re.compile(r"\\[()\[\]]")  # \( \) \[ \]
+_STATED = re.compile(r"(?i:\banswer is\b)")
+_UNIT = r"(?:\s*\\?%|\s+[A-Za-z][A-Za-z ]*)?\.?"  # 50%, 18 dollars
+
+
+def _fraction(match: re.Match) -> str:
+    numerator, denominator = int(match.group(1)), int(match.group(2))
+    if not denominator:
+        return match.group(0)
+    return str(numerator // denominator) if numerator % denominator == 0 else str(numerator / denominator)
+
+
+def _number(spoken: str | None) -> str | None:
+    """`spoken` as a number without commas or a trailing ".0"."""
+    if spoken is None:
+        return None
+    value = float(spoken.replace(",", ""))
+    return str(int(value)) if value == int(value) else str(value)
 
 
 def stated_answer(text: str, kind: str) -> str | None:
-    """The answer after the last "answer is" (else, for a number, a boxed one, else the last number
-    in the text), normalized: a number without commas or a trailing ".0"; a choice's capital
-    letter. LaTeX around it (`\\(\\boxed{18}\\)`) is read through. A stated or boxed answer that
-    is no number ("the answer is 3N - 5", "the answer is N") is None, not the digits in it."""
-    text = _FRACTION.sub(lambda m: format(int(m.group(1)) / int(m.group(2)), "g") if int(m.group(2)) else m.group(0),
-                         text)
-    plain = _LATEX.sub(lambda m: m.group(1) or m.group(2) or "", text)
+    """The answer after the last "answer is", else the last boxed one, else (a number only) the
+    last number in the text: a number without commas or a trailing ".0", or a choice's capital
+    letter. LaTeX around it (`\\(\\boxed{18}\\)`, `\\text{}`, `\\frac{1}{2}`, `\\$`) is read
+    through. A stated or boxed answer that is no number ("the answer is 3N - 5", "the answer is
+    N", `\\boxed{1/2 x}`) is None, not the digits in it."""
+    text = _FRACTION.sub(_fraction, text.replace("\\$", "$").replace("\\,", ",").replace("{,}", ",")
+                         .replace("\u2212", "-"))
+    while _TEXT.search(text):
+        text = _TEXT.sub(r"\1", text)
+    boxes = _BOXED.findall(text)
+    plain = _DELIMITERS.sub("", _BOXED.sub(r"\1", text))
     if kind == "choice":
-        found = re.findall(r"(?i:answer is)\s*:?\s*\(?\**([A-E])\b", plain)
+        found = re.findall(r"(?i:\banswer is\b)\s*:?\s*\(?\**([A-E])\b", plain)
         return found[-1] if found else None
-    stated = re.split(r"(?i:answer is)", plain)
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    stated = _STATED.split(plain)
     if len(stated) > 1:  # the number that opens what follows the last "answer is"
-        found = re.findall(rf"^\s*:?\s*\**\$?\s*({_NUMBER})", stated[-1])
-    elif boxed:  # the last boxed answer, if it is a number
-        found = re.findall(rf"^\s*\$?\s*({_NUMBER})\s*$", boxed[-1])
-    else:
-        found = re.findall(_NUMBER, plain)
-    if not found:
+        opening = re.match(rf"\s*:?\s*\**\s*\(?\$?\s*({_NUMBER})", stated[-1])
+        if opening:
+            return _number(opening.group(1))
+    if boxes:  # the last boxed answer, if it is a number
+        whole = re.fullmatch(rf"\s*\$?\s*({_NUMBER}){_UNIT}\s*", boxes[-1])
+        return _number(whole.group(1)) if whole else None
+    if len(stated) > 1:
         return None
-    number = found[-1].replace(",", "")
-    try:
-        value = float(number)
-    except ValueError:
-        return None
-    return str(int(value)) if value == int(value) else str(value)
+    found = re.findall(_NUMBER, plain)
+    return _number(found[-1]) if found else None
 
 
 def call_record(result: CallResult) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def test_demo_runs_the_document_team_and_a_second_run_from_the_saved_anchors(tmp
         main(["demo", "--sample", "document_team", "--documents", "0"])
 
 
-def test_the_demo_runs_in_bfloat16_where_the_cpu_computes_it(monkeypatch):
+def test_the_demo_runs_in_bfloat16_where_the_cpu_computes_it(monkeypatch, capsys):
     """`--dtype auto` on the embedded engine: bfloat16 on a CPU with bf16 instructions, float32
     (auto) elsewhere; an explicit dtype and the vLLM engine keep what they were given."""
     import argparse
@@ -68,14 +68,25 @@ def test_the_demo_runs_in_bfloat16_where_the_cpu_computes_it(monkeypatch):
         return argparse.Namespace(**{"dtype": "auto", "engine": "embedded", **given})
 
     for native in (True, False):
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
         assert precision.cpu_computes_bfloat16() is native
         assert cli._demo_dtype(demo()) == ("bfloat16" if native else "auto")
         assert cli._demo_dtype(demo(dtype="float32")) == "float32"
         assert cli._demo_dtype(demo(engine="vllm")) == "auto"
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert precision.cpu_computes_bfloat16()
+    # what the command says, and what it hands the sample
+    handed = []
+    monkeypatch.setattr("agentcache_samples.document_team.run.run_and_report",
+                        lambda args, name: handed.append(args.dtype) or 0)
+    assert main(["demo", "--model", "tiny-llama"]) == 0
+    out = capsys.readouterr().out
+    assert "(embedded engine, bfloat16)" in out and "computes bfloat16 natively" in out
+    assert main(["demo", "--model", "tiny-llama", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "(embedded engine, float32)" in out and "natively" not in out
+    assert handed == ["bfloat16", "float32"]
 
 
 def test_the_demo_runs_the_instruct_model_once_it_is_fetched(monkeypatch, capsys):
@@ -463,6 +474,15 @@ def test_real_fidelity_reads_the_stated_answer(monkeypatch):
     assert stated_answer("So \\(\\boxed{3N - 5}\\), after 2 days", "number") is None
     assert stated_answer("The answer is \\(\\boxed{\\frac{1}{2}}\\).", "number") == "0.5"
     assert stated_answer("x = 3N and 7 more", "number") == "7"
+    assert stated_answer("The answer is 1.5N", "number") is None and stated_answer("The answer is 1/2", "number") is None
+    assert stated_answer("The answer is the total: \\boxed{18}", "number") == "18"  # a box after a wordy statement
+    assert stated_answer("The answer is 6. My first answer isn't right.", "number") == "6"
+    assert stated_answer("The cost of the pizza: the answer is \\$35.", "number") == "35"  # Qwen escapes $
+    assert stated_answer("The answer is \\(\\boxed{18 \\text{ dollars}}\\)", "number") == "18"  # nested braces
+    assert stated_answer("\\boxed{50\\%}", "number") == "50" and stated_answer("\\boxed{\\frac{2000000}{2}}", "number") == "1000000"
+    assert stated_answer("answer is: **5**", "number") == "5" and stated_answer("The answer is (5).", "number") == "5"
+    assert stated_answer("The answer is 1\\,250 or \u221210", "number") == "1250"
+    assert stated_answer("so \\frac{3}{4} of it, and 1/2 of that", "number") == "0.75"
     assert stated_answer("The answer is (B).", "choice") == "B" and stated_answer("the answer is C", "choice") == "C"
     assert stated_answer("The answer is \\(\\boxed{B}\\).", "choice") == "B"
     assert stated_answer("The answer is \\(\\text{D}\\)", "choice") == "D"

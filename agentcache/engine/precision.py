@@ -1,8 +1,9 @@
 """The engine's number format: which dtype a model runs in, and how exact "exact" can be in it.
 
 An engine's weights and KV share one dtype: float32, bfloat16 or float16. The default follows
-the device: bfloat16 on CUDA (what every GPU deployment runs), float32 elsewhere (a CPU's
-float32 kernels are its fastest and most exact). Accuracy-sensitive math on the KV (re-alignment,
+the device: bfloat16 on CUDA (what every GPU deployment runs), float32 elsewhere (the most exact,
+and the fastest on a CPU without bfloat16 instructions; `agentcache demo` picks bfloat16 on one
+with them, `cpu_computes_bfloat16`). Accuracy-sensitive math on the KV (re-alignment,
 factorizing anchors, matching, correcting) runs in float32 whatever the KV's dtype and is stored
 back in it.
 
