@@ -14,8 +14,12 @@ scored problems:
 - `final_agreement`: it equals NonShared's stated answer on the same problem;
 - `greedy_agreement`: calls whose generated token ids equal NonShared's for the same problem and
   agent; `greedy_agreement_same_prompt` over the calls whose prompt was NonShared's too (every
-  expert; a decision whose experts all agreed), where any difference is the reused cache's, and
-  `decision_greedy_agreement_same_prompt` over those decisions alone;
+  expert; a decision whose experts all agreed), and `decision_greedy_agreement_same_prompt` over
+  those decisions alone;
+- `exact_call_agreement`: the same-prompt calls that neither strategy reused anything for, the
+  engine's own floor. In float32 it is 1, so any other difference is the reused cache's; bfloat16
+  sums depend on the batch a request decodes in, so an exact call can flip a near-tie too;
+  `final_agreement_same_inputs`: `final_agreement` where the experts' outputs were NonShared's;
 - `reuse_ratio` (reused / shared tokens), `prefill_tokens_per_problem`, `wall_s_per_problem` (the
   graph's invoke) and `wall_vs_nonshared`, mean TTFT and `decision_ttft_vs_nonshared`.
 
@@ -53,6 +57,11 @@ STRATEGY, BASELINE = "kvcmas", "nonshared"
 AGENTS = [*EXPERTS, DECISION]
 QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
 FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
+# a runtime's counters each report keeps: its decisions, and what verification saw (shadow runs of
+# dense calls, single-segment; audits: dense replays of served calls, every segment they reused)
+RUNTIME_FIGURES = ("reuse_ratio", "ph_decisions", "fallback_reasons", "faults", "anchors", "anchor_bytes",
+                   "verified_edges", "shadow_runs", "shadow_agreed", "shadow_disagreed", "audits",
+                   "audit_disagreements")
 
 
 # 1,250 or 2.5 or -10, not the 3 of "3N" or of "1/2"
@@ -142,18 +151,23 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
         runs = [judged(r, name) for r in records]
         base = [judged(r, BASELINE) for r in records]
         calls = [c for run in runs for c in run["calls"]]
-        same, same_prompt, decisions_same = [], [], []
+        same, same_prompt, decisions_same, exact_same, finals_same_inputs = [], [], [], [], []
         for mine, theirs in zip(runs, base):
-            by_agent = {c["agent"]: c["token_ids"] for c in theirs["calls"]}
+            by_agent = {c["agent"]: c for c in theirs["calls"]}
             experts_agree = all(a["token_ids"] == b["token_ids"] for a, b in zip(mine["calls"], theirs["calls"])
                                 if a["agent"] != DECISION)
             for call in mine["calls"]:
-                equal = call["token_ids"] == by_agent.get(call["agent"])
+                other = by_agent.get(call["agent"])
+                equal = other is not None and call["token_ids"] == other["token_ids"]
                 same.append(equal)
                 if call["agent"] != DECISION or experts_agree:
                     same_prompt.append(equal)
+                    if other is not None and call["reused_tokens"] == 0 == other["reused_tokens"]:
+                        exact_same.append(equal)
                 if call["agent"] == DECISION and experts_agree:
                     decisions_same.append(equal)
+            if experts_agree:
+                finals_same_inputs.append(mine["answer"] is not None and mine["answer"] == theirs["answer"])
         ph = sum(c["ph_tokens"] for c in calls)
         decision = [c["ttft_s"] for c in calls if c["agent"] == DECISION]
         base_decision = [c["ttft_s"] for run in base for c in run["calls"] if c["agent"] == DECISION]
@@ -169,6 +183,14 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
             "same_prompt_calls": len(same_prompt),
             # the decision agent, where the experts' outputs were NonShared's: what reusing them changed
             "decision_greedy_agreement_same_prompt": sum(decisions_same) / len(decisions_same) if decisions_same else None,
+            # the engine's own floor: the same prompt computed exactly by both, in another batch. float32
+            # keeps it at 1; bfloat16 sums depend on the batch a request decodes in, so greedy can flip
+            "exact_call_agreement": sum(exact_same) / len(exact_same) if exact_same else None,
+            "exact_calls": len(exact_same),
+            # the final answer where the experts' outputs were NonShared's (the decision's own inputs)
+            "final_agreement_same_inputs": (sum(finals_same_inputs) / len(finals_same_inputs)
+                                            if finals_same_inputs else None),
+            "problems_with_same_inputs": len(finals_same_inputs),
             "reuse_ratio": sum(c["reused_tokens"] for c in calls) / ph if ph else 0.0,
             "prefill_tokens_per_problem": sum(c["prefill_tokens"] for c in calls) / len(runs),
             "prompt_tokens_per_problem": sum(c["prompt_tokens"] for c in calls) / len(runs),
@@ -261,8 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **headline(args, records, strategies), "offset": args.offset, "warmup_problems": len(warmup),
         "dtype": runs.kv_dtype, "expert_tokens": args.expert_tokens, "decision_tokens": args.decision_tokens,
-        "runtime": {name: {k: s.get(k) for k in ("reuse_ratio", "ph_decisions", "fallback_reasons", "faults",
-                                                 "anchors", "anchor_bytes")} | {"refusal": runs.runtimes[name].refusal}
+        "runtime": {name: {k: s[k] for k in RUNTIME_FIGURES if k in s} | {"refusal": runs.runtimes[name].refusal}
                     for name, s in summaries.items()},
         "resumed_from_log": len(scored) - len(todo), "run_s": time.perf_counter() - started,
         "setup_s": runs.setup_s, "machine": machine(**torch_build()),
@@ -293,6 +314,8 @@ def headline(args: argparse.Namespace, records: list[dict[str, Any]], strategies
             "accuracy": {name: f["accuracy"] for name, f in figures.items()},
             "final_agreement": mine["final_agreement"], "greedy_agreement": mine["greedy_agreement"],
             "greedy_agreement_same_prompt": mine["greedy_agreement_same_prompt"],
+            "exact_call_agreement": mine["exact_call_agreement"],
+            "final_agreement_same_inputs": mine["final_agreement_same_inputs"],
             "reuse_ratio": mine["reuse_ratio"], "wall_vs_nonshared": mine["wall_vs_nonshared"],
             "prefill_vs_nonshared": mine["prefill_tokens_per_problem"] / theirs["prefill_tokens_per_problem"],
             "strategies": figures}

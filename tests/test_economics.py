@@ -90,6 +90,7 @@ def test_audits_grow_rarer_while_the_served_method_agrees_and_reset_when_it_does
     verification.record(edge, [Verdict("raw", False, 0.4, 4)], audit=True)
     assert verification.decide(edge, can_correct=False) == (None, "unverified")
     assert verification.edges[edge].audit_gap == FIRST_AUDIT_GAP and verification.audits == 7
+    assert verification.figures()["audit_disagreements"] == 1
     for _ in range(verification_module.WINDOW):  # agreeing again: served once the window holds no disagreement
         verification.record(edge, [Verdict("raw", True, 0.0, 4)])
     assert verification.decide(edge, can_correct=False) == ("raw", None)

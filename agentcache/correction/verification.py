@@ -123,6 +123,7 @@ class Verification:
         self.shadow_runs = 0
         self.shadow_s = 0.0
         self.audits = 0
+        self.audit_disagreements = 0  # audits whose dense replay gave another output than the served call
         self.agreed: dict[str, int] = {m: 0 for m in METHODS}
         self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
 
@@ -150,13 +151,16 @@ class Verification:
             record.record(verdict)
             (self.agreed if verdict.agrees else self.disagreed)[verdict.method] += 1
         if audit:
-            record.audited(all(v.agrees for v in verdicts))
+            agreed = all(v.agrees for v in verdicts)
+            record.audited(agreed)
             self.audits += 1
+            self.audit_disagreements += not agreed
         self.shadow_runs += len(verdicts)
         self.shadow_s += seconds
 
     def figures(self) -> dict:
         return dict(verified_edges=len(self.edges), shadow_runs=self.shadow_runs, audits=self.audits,
+                    audit_disagreements=self.audit_disagreements,
                     shadow_s=round(self.shadow_s, 4),
                     shadow_agreed=dict(self.agreed), shadow_disagreed=dict(self.disagreed))
 
