@@ -503,6 +503,10 @@ def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         verified = next(line for line in metrics.splitlines() if line.startswith("agentcache_verified_edges "))
         assert float(verified.split()[1]) > 0  # the verdicts of the first server's shadow runs, loaded
+        counted = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                   if line.startswith(("agentcache_shadow_runs_total ", "agentcache_audits_total ",
+                                       "agentcache_audit_disagreements_total "))}
+        assert len(counted) == 3 and counted["agentcache_audit_disagreements_total"] <= counted["agentcache_audits_total"]
         assert "agentcache_anchors_loaded" in metrics
     finally:
         restarted.send_signal(signal.SIGTERM)

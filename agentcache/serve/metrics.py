@@ -114,6 +114,14 @@ class _RuntimeFigures(Collector):
             yield GaugeMetricFamily("agentcache_verified_edges",
                                     "Producer-to-consumer edges whose reuse was judged by a shadow run",
                                     value=summary["verified_edges"])
+        if "shadow_runs" in summary:  # verified acceptance: what its checks saw since start
+            yield CounterMetricFamily("agentcache_shadow_runs", "Shadow runs judging one reuse method against a dense call",
+                                      value=summary["shadow_runs"])
+            yield CounterMetricFamily("agentcache_audits", "Served reuses replayed densely to re-verify them",
+                                      value=summary["audits"])
+            yield CounterMetricFamily("agentcache_audit_disagreements",
+                                      "Audits whose dense replay gave another output than the served call",
+                                      value=summary["audit_disagreements"])
         if "anchors_loaded" in summary:
             yield GaugeMetricFamily("agentcache_anchors_loaded", "Anchors loaded from the persisted pools at start",
                                     value=summary["anchors_loaded"])
