@@ -440,7 +440,7 @@ def test_real_fidelity_bench_quick_runs_the_swarm_on_real_gsm8k_problems(qwen_mo
     decided = result["runtime"]["kvcmas"]["ph_decisions"]
     assert sum(decided.values()) >= 3 * 4 and set(decided) <= {"off", "first", "fallback", "corrected", "reused"}
     verified = result["runtime"]["kvcmas"]  # what verification saw is reported beside the decisions
-    assert 0 <= verified["audit_disagreements"] <= verified["audits"] and verified["shadow_runs"] >= 0
+    assert 0 <= verified["audit_disagreements"] <= verified["audits"] <= verified["shadow_runs"]  # audits are verdicts too
     assert result["prefill_vs_nonshared"] <= 1 and result["strategies"]["nonshared"]["reuse_ratio"] == 0
     assert result["strategies"]["nonshared"]["greedy_agreement"] == 1 == result["strategies"]["nonshared"]["final_agreement"]
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -527,4 +527,40 @@ def test_real_fidelity_scores_the_engines_own_floor_from_real_logs(monkeypatch):
     bfloat16 = score(records("gsm8k_bfloat16.jsonl", 30), ["kvcmas", "nonshared"])
     assert bfloat16["kvcmas"]["exact_calls"] >= 60 and bfloat16["kvcmas"]["exact_call_agreement"] < 0.9
     assert bfloat16["kvcmas"]["problems_with_same_inputs"] < 30
-    assert bfloat16["nonshared"]["exact_call_agreement"] == 1.0  # against itself
+    assert bfloat16["nonshared"]["exact_call_agreement"] is None  # against itself it measures nothing
+
+
+def _call(agent: str, tokens: list[int], reused: int = 0) -> dict:
+    return {"agent": agent, "token_ids": tokens, "reused_tokens": reused, "ttft_s": 1.0, "ph_tokens": 10,
+            "prefill_tokens": 10, "prompt_tokens": 20}
+
+
+def _record(final: str, calls: list[dict], other_final: str, other_calls: list[dict]) -> dict:
+    return {"id": "p", "gold": "4", "kind": "number", "strategies": {
+        "kvcmas": {"final": final, "wall_s": 1.0, "calls": calls},
+        "nonshared": {"final": other_final, "wall_s": 1.0, "calls": other_calls}}}
+
+
+def test_real_fidelity_counts_only_exact_same_prompt_calls_in_the_floor(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from real_fidelity import AGENTS, score
+
+    first, *others, decision = AGENTS
+    same = [_call(a, [1, 2]) for a in others]
+    records = [
+        # the experts agree; the decision reused and differs: no exact call of its own, the same inputs
+        _record("The answer is 4.", [_call(first, [1, 2]), *same, _call(decision, [7], reused=5)],
+                "The answer is 4.", [_call(first, [1, 2]), *same, _call(decision, [8])]),
+        # an expert differs (nothing reused): the decision's prompt differs, so it counts for nothing
+        _record("The answer is 5.", [_call(first, [1, 3]), *same, _call(decision, [9])],
+                "The answer is 4.", [_call(first, [1, 2]), *same, _call(decision, [8])]),
+        # only one side reused for this expert: not exact on both; neither decision answered
+        _record("no number", [_call(first, [1, 2], reused=3), *same, _call(decision, [6])],
+                "none either", [_call(first, [1, 2]), *same, _call(decision, [6])]),
+    ]
+    mine = score(records, ["kvcmas", "nonshared"])["kvcmas"]
+    # exact on both sides: the 2 other experts thrice, the first expert in the first two problems,
+    # and the third problem's decision (same inputs, reused nothing); one of those 9 differs
+    assert mine["exact_calls"] == 9 and mine["exact_call_agreement"] == 8 / 9
+    assert mine["problems_with_same_inputs"] == 2 and mine["final_agreement_same_inputs"] == 0.5  # two Nones never agree
+    assert mine["final_agreement"] == 1 / 3

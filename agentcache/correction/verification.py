@@ -122,8 +122,8 @@ class Verification:
         self.edges: dict[Edge, EdgeRecord] = {}
         self.shadow_runs = 0
         self.shadow_s = 0.0
-        self.audits = 0
-        self.audit_disagreements = 0  # audits whose dense replay gave another output than the served call
+        self.audits = 0  # per edge: a dense replay of a call that reused k segments counts k
+        self.audit_disagreements = 0  # of those, the ones whose dense replay gave another output
         self.agreed: dict[str, int] = {m: 0 for m in METHODS}
         self.disagreed: dict[str, int] = {m: 0 for m in METHODS}
 

@@ -115,12 +115,12 @@ class _RuntimeFigures(Collector):
                                     "Producer-to-consumer edges whose reuse was judged by a shadow run",
                                     value=summary["verified_edges"])
         if "shadow_runs" in summary:  # verified acceptance: what its checks saw since start
-            yield CounterMetricFamily("agentcache_shadow_runs", "Shadow runs judging one reuse method against a dense call",
+            yield CounterMetricFamily("agentcache_shadow_runs", "Verdicts on a reuse method: shadow runs and audits",
                                       value=summary["shadow_runs"])
-            yield CounterMetricFamily("agentcache_audits", "Served reuses replayed densely to re-verify them",
+            yield CounterMetricFamily("agentcache_audits", "Served reuses replayed densely, per edge the call reused",
                                       value=summary["audits"])
             yield CounterMetricFamily("agentcache_audit_disagreements",
-                                      "Audits whose dense replay gave another output than the served call",
+                                      "Audits (per edge) whose dense replay gave another output than the served call",
                                       value=summary["audit_disagreements"])
         if "anchors_loaded" in summary:
             yield GaugeMetricFamily("agentcache_anchors_loaded", "Anchors loaded from the persisted pools at start",
