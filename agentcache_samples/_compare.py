@@ -32,6 +32,8 @@ class StrategyRuns:
     engine: str = "embedded"  # or "vllm": each strategy then has a vLLM engine of its own
     anchors_dir: Path | None = None
     dtype: str = "auto"  # the engines' weights and KV (auto: float32 on a CPU, bfloat16 on CUDA)
+    # the strategy of a runtime whose name is none (a control: a second runtime of one strategy)
+    strategy_of: dict[str, str] = field(default_factory=dict)
     runtimes: dict[str, Runtime] = field(init=False)
     setup_s: float = field(init=False)  # loading and checking the model
 
@@ -51,7 +53,7 @@ class StrategyRuns:
     def _new_runtimes(self) -> dict[str, Runtime]:
         engines = {s: self._base.fresh() if self.engine == "embedded"
                    else open_engine(self.engine, self.model, instance=s, **self._placement) for s in self.strategies}
-        return {s: Runtime(engines[s], strategy=s, check=self._check,
+        return {s: Runtime(engines[s], strategy=self.strategy_of.get(s, s), check=self._check,
                            anchors_dir=None if self.anchors_dir is None else Path(self.anchors_dir) / s)
                 for s in self.strategies}
 

@@ -16,6 +16,8 @@ scored problems:
   agent; `greedy_agreement_same_prompt` over the calls whose prompt was NonShared's too (every
   expert; a decision whose experts all agreed), and `decision_greedy_agreement_same_prompt` over
   those decisions alone;
+- with `--control`, a second NonShared runtime runs each problem too (the run takes half as long again), and
+  `control` gives its agreement figures with NonShared: the floor of each, measured;
 - `exact_call_agreement`: the same-prompt calls that neither strategy reused anything for, the
   engine's own floor (1.00 in the GSM8K float32 run, 300 of 300; 0.74 in bfloat16, where the same
   exact call can give other tokens in another run); `final_agreement_same_inputs`:
@@ -31,7 +33,7 @@ nothing. Answers are read again from each record's text when scoring. Prints one
 `--quick` (2 GSM8K problems after 1 warm-up, short outputs) finishes in under a minute on 2 cores.
 
     python benchmarks/real_fidelity.py [--quick] [--task gsm8k|arc_easy] [--problems 100]
-        [--dtype float32|bfloat16] [--model qwen2.5-coder-0.5b] [--log PATH] [--out PATH]
+        [--dtype float32|bfloat16] [--model qwen2.5-coder-0.5b] [--control] [--log PATH] [--out PATH]
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ from agentcache_samples._compare import StrategyRuns  # noqa: E402
 from agentcache_samples.gsm8k_swarm.graph import DECISION, EXPERTS, INSTRUCT_CHOICE, build_swarm  # noqa: E402
 
 STRATEGY, BASELINE = "kvcmas", "nonshared"
+CONTROL = "nonshared_control"  # --control: a second NonShared runtime, the floor of every figure
 AGENTS = [*EXPERTS, DECISION]
 QUICK = dict(problems=2, warmup=1, expert_tokens=12, decision_tokens=10)
 FULL = dict(problems=100, warmup=2, expert_tokens=256, decision_tokens=24)
+# what NonShared against a second NonShared gives: the floor each KVCMAS figure is read against
+CONTROL_FIGURES = ("final_agreement", "greedy_agreement", "greedy_agreement_same_prompt", "exact_call_agreement",
+                   "final_agreement_same_inputs", "decision_greedy_agreement_same_prompt")
 # a runtime's counters each report keeps: its decisions, and what verification saw (shadow runs of
 # dense calls, one segment reused; audits: a served call replayed densely, counted per edge it reused;
 # `shadow_runs` counts every verdict, audits' too)
@@ -207,8 +213,9 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """What a problem's record depends on besides the problem: a log holds one setting's records."""
-    return {"task": args.task, "model": args.model, "dtype": args.dtype, "expert_tokens": args.expert_tokens,
-            "decision_tokens": args.decision_tokens}
+    settings = {"task": args.task, "model": args.model, "dtype": args.dtype, "expert_tokens": args.expert_tokens,
+                "decision_tokens": args.decision_tokens}
+    return settings | ({"control": True} if args.control else {})  # logs from before --control still read
 
 
 def read_log(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -252,11 +259,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = settings_of(args)
     log = Path(args.log) if args.log else None
     done = read_log(log, settings) if log else {}
-    strategies = [STRATEGY, BASELINE]
+    strategies = [STRATEGY, BASELINE] + ([CONTROL] if args.control else [])
     todo = [(index, p) for index, p in enumerate(scored) if p.id not in done]
     if args.from_log or not todo:
         return report_from_log(args, scored, done, strategies)
-    runs = StrategyRuns(args.model, strategies, progress=False, dtype=args.dtype)
+    runs = StrategyRuns(args.model, strategies, progress=False, dtype=args.dtype, strategy_of={CONTROL: BASELINE})
     chat = runs.runtimes[STRATEGY].chat is not None
     if problems[0].kind == "choice" and not chat:
         raise SystemExit(f"{args.task} is multiple choice: its swarm is told what to do, which needs an instruct "
@@ -319,6 +326,7 @@ def headline(args: argparse.Namespace, records: list[dict[str, Any]], strategies
             "final_agreement_same_inputs": mine["final_agreement_same_inputs"],
             "reuse_ratio": mine["reuse_ratio"], "wall_vs_nonshared": mine["wall_vs_nonshared"],
             "prefill_vs_nonshared": mine["prefill_tokens_per_problem"] / theirs["prefill_tokens_per_problem"],
+            **({"control": {key: figures[CONTROL][key] for key in CONTROL_FIGURES}} if CONTROL in figures else {}),
             "strategies": figures}
 
 
@@ -336,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--log", default=None, help="JSON lines of finished problems: appended, and resumed from")
     parser.add_argument("--out", default=None)
     parser.add_argument("--verbose", action="store_true", help="a line per finished problem on stderr")
+    parser.add_argument("--control", action="store_true",
+                        help="run a second NonShared runtime too: its agreement with NonShared is the floor")
     parser.add_argument("--from-log", action="store_true",
                         help="report the problems --log holds and run nothing (a long run part-way)")
     args = parser.parse_args(argv)

@@ -455,6 +455,11 @@ def test_real_fidelity_bench_quick_runs_the_swarm_on_real_gsm8k_problems(qwen_mo
     other = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_fidelity.py"), "--quick", "--log", str(log),
                             "--expert-tokens", "5"], capture_output=True, text=True, timeout=300)
     assert other.returncode != 0 and "give this run a log of its own" in other.stderr  # settings differ: refused
+    # a second NonShared runtime measures the floor: in float32, exact computation repeats itself
+    control = _quick("real_fidelity.py", "--control", "--problems", "1", "--log", str(tmp_path / "control.jsonl"))
+    assert set(control["accuracy"]) == {"kvcmas", "nonshared", "nonshared_control"}
+    assert control["control"]["greedy_agreement"] == 1 == control["control"]["exact_call_agreement"]
+    assert control["runtime"]["nonshared_control"]["reuse_ratio"] == 0  # it is NonShared
 
 
 def test_real_fidelity_reads_the_stated_answer(monkeypatch):
