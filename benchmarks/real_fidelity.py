@@ -191,13 +191,9 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
             # the decision agent, where the experts' outputs were NonShared's: what reusing them changed
             "decision_greedy_agreement_same_prompt": sum(decisions_same) / len(decisions_same) if decisions_same else None,
             # the engine's own floor: the same prompt computed exactly by both runtimes (in bfloat16 the
-            # same exact call can give other tokens in another run); against itself, the baseline has none
-            "exact_call_agreement": sum(exact_same) / len(exact_same) if exact_same and name != BASELINE else None,
-            "exact_calls": len(exact_same) if name != BASELINE else 0,
-            # the final answer where the experts' outputs were NonShared's (the decision's own inputs)
-            "final_agreement_same_inputs": (sum(finals_same_inputs) / len(finals_same_inputs)
-                                            if finals_same_inputs and name != BASELINE else None),
-            "problems_with_same_inputs": len(finals_same_inputs) if name != BASELINE else 0,
+            # same exact call can give other tokens in another run); and the final answer where the
+            # experts' outputs were NonShared's. Against itself, the baseline has neither.
+            **_floor([] if name == BASELINE else exact_same, [] if name == BASELINE else finals_same_inputs),
             "reuse_ratio": sum(c["reused_tokens"] for c in calls) / ph if ph else 0.0,
             "prefill_tokens_per_problem": sum(c["prefill_tokens"] for c in calls) / len(runs),
             "prompt_tokens_per_problem": sum(c["prompt_tokens"] for c in calls) / len(runs),
@@ -209,6 +205,14 @@ def score(records: list[dict[str, Any]], strategies: list[str]) -> dict[str, Any
             "generated_tokens_per_problem": sum(len(c["token_ids"]) for c in calls) / len(runs),
         }
     return out
+
+
+def _floor(exact_same: list[bool], finals_same_inputs: list[bool]) -> dict[str, Any]:
+    return {"exact_call_agreement": sum(exact_same) / len(exact_same) if exact_same else None,
+            "exact_calls": len(exact_same),
+            "final_agreement_same_inputs": (sum(finals_same_inputs) / len(finals_same_inputs)
+                                            if finals_same_inputs else None),
+            "problems_with_same_inputs": len(finals_same_inputs)}
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
