@@ -96,21 +96,34 @@ def _number(spoken: str | None) -> str | None:
     return str(int(value)) if value == int(value) else str(value)
 
 
+def _labelled_choice(text: str) -> str | None:
+    """The choice that `text` opens with as a label ("B. soil", "(B) soil", "B)", "B"), not an
+    article ("A rock ...")."""
+    label = re.match(r"\s*\**\s*(?:\(([A-E])\)|([A-E])(?:[.):]|\s*$))", text)
+    return (label.group(1) or label.group(2)) if label else None
+
+
 def stated_answer(text: str, kind: str) -> str | None:
-    """The answer after the last "answer is", else the last boxed one, else (a number only) the
-    last number in the text: a number without commas or a trailing ".0", or a choice's capital
-    letter. LaTeX around it (`\\(\\boxed{18}\\)`, `\\text{}`, `\\frac{1}{2}`, `\\$`) is read
-    through. A stated or boxed answer that is no number ("the answer is 3N - 5", "the answer is
-    N", `\\boxed{1/2 x}`) is None, not the digits in it."""
+    """The answer after the last "answer is", else the last boxed one, else the last number in the
+    text (a number) or the choice the text opens with as a label (a choice): a number without
+    commas or a trailing ".0", or a choice's capital letter. LaTeX around it
+    (`\\(\\boxed{18}\\)`, `\\text{}`, `\\frac{1}{2}`, `\\$`) is read through. A stated or boxed
+    answer that is no number ("the answer is 3N - 5", "the answer is N", `\\boxed{1/2 x}`) is None,
+    not the digits in it."""
     text = _FRACTION.sub(_fraction, text.replace("\\$", "$").replace("\\,", ",").replace("{,}", ",")
                          .replace("\u2212", "-"))
     while _TEXT.search(text):
         text = _TEXT.sub(r"\1", text)
     boxes = _BOXED.findall(text)
     plain = _DELIMITERS.sub("", _BOXED.sub(r"\1", text))
-    if kind == "choice":
+    if kind == "choice":  # after the last "answer is", else the last box, else the reply's opening
         found = re.findall(r"(?i:\banswer is\b)\s*:?\s*\(?\**([A-E])\b", plain)
-        return found[-1] if found else None
+        if found:
+            return found[-1]
+        labelled = [_labelled_choice(box) for box in boxes]
+        if labelled and labelled[-1]:
+            return labelled[-1]
+        return _labelled_choice(plain)
     stated = _STATED.split(plain)
     if len(stated) > 1:  # the number that opens what follows the last "answer is"
         opening = re.match(rf"\s*:?\s*\**\s*\(?\$?\s*({_NUMBER})", stated[-1])

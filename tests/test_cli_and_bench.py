@@ -495,6 +495,12 @@ def test_real_fidelity_reads_the_stated_answer(monkeypatch):
     assert stated_answer("The answer is \\(\\text{D}\\)", "choice") == "D"
     assert stated_answer("The answer is a rock, so B.", "choice") is None  # the article is no choice
     assert stated_answer("I think A or B", "choice") is None
+    # a decision that opens with the choice's label, or boxes it (real decisions on ARC-Easy)
+    assert stated_answer("B. A massive core surrounded by negatively-charged particles.", "choice") == "B"
+    assert stated_answer("The best explanation is \\boxed{B. the air condensed}.", "choice") == "B"
+    assert stated_answer("(C) deposition", "choice") == "C" and stated_answer("**D)** a magnet", "choice") == "D"
+    assert stated_answer("A rock. B is wrong", "choice") is None  # an opening article is no label
+    assert stated_answer("C. deposition, but the answer is (B).", "choice") == "B"  # a statement wins
 
 
 @pytest.mark.slow
