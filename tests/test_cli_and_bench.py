@@ -541,6 +541,24 @@ def test_real_fidelity_scores_the_engines_own_floor_from_real_logs(monkeypatch):
     assert bfloat16["nonshared"]["exact_call_agreement"] is None  # against itself it measures nothing
 
 
+def test_every_committed_fidelity_report_is_what_its_log_scores_to_now(monkeypatch):
+    """The figures in docs come from these JSONs; a parser fix must be followed by a rescoring."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from real_fidelity import score
+
+    reports = sorted((ROOT / "results" / "real_fidelity").glob("*.json"))
+    assert {r.stem for r in reports} >= {"gsm8k_float32", "gsm8k_bfloat16"}
+    for report in reports:
+        told = json.loads(report.read_text())
+        lines = report.with_suffix(".jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if "strategies" in r]
+        assert len(records) == told["problems"], report.name
+        figures = score(records, ["kvcmas", "nonshared"])
+        assert told["accuracy"] == {name: f["accuracy"] for name, f in figures.items()}, report.name
+        for key in ("final_agreement", "greedy_agreement", "exact_call_agreement", "reuse_ratio"):
+            assert told[key] == pytest.approx(figures["kvcmas"][key]), (report.name, key)
+
+
 def _call(agent: str, tokens: list[int], reused: int = 0) -> dict:
     return {"agent": agent, "token_ids": tokens, "reused_tokens": reused, "ttft_s": 1.0, "ph_tokens": 10,
             "prefill_tokens": 10, "prompt_tokens": 20}
