@@ -120,10 +120,7 @@ def stated_answer(text: str, kind: str) -> str | None:
         found = re.findall(r"(?i:\banswer is\b)\s*:?\s*\(?\**([A-E])\b", plain)
         if found:
             return found[-1]
-        labelled = [_labelled_choice(box) for box in boxes]
-        if labelled and labelled[-1]:
-            return labelled[-1]
-        return _labelled_choice(plain)
+        return (boxes and _labelled_choice(boxes[-1])) or _labelled_choice(plain)
     stated = _STATED.split(plain)
     if len(stated) > 1:  # the number that opens what follows the last "answer is"
         opening = re.match(rf"\s*:?\s*\**\s*\(?\$?\s*({_NUMBER})", stated[-1])

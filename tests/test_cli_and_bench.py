@@ -521,16 +521,19 @@ def test_long_context_phases_bench_quick_splits_the_later_agents_ttft():
     assert set(result["phases"]) == {"queued_s", "setup_s", "planning_s", "engine_s", "limit_s"}
 
 
+def _logged_problems(log: Path) -> list[dict]:
+    """The problems a committed real_fidelity log holds, in its order."""
+    return [r for r in map(json.loads, log.read_text().splitlines()) if "strategies" in r]
+
+
 def test_real_fidelity_scores_the_engines_own_floor_from_real_logs(monkeypatch):
     """Scored from the committed 100-problem logs: in float32 every call computed exactly by both
     strategies agrees; in bfloat16 the same exact calls decoded in other batches do not always."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from real_fidelity import score
 
-    logs = ROOT / "results" / "real_fidelity"
     def records(name: str, count: int) -> list[dict]:
-        lines = (logs / name).read_text().splitlines()
-        return [r for r in map(json.loads, lines) if "strategies" in r][:count]
+        return _logged_problems(ROOT / "results" / "real_fidelity" / name)[:count]
 
     float32 = score(records("gsm8k_float32.jsonl", 100), ["kvcmas", "nonshared"])["kvcmas"]
     assert float32["exact_calls"] >= 300 and float32["exact_call_agreement"] == 1.0  # every expert, at least
@@ -550,8 +553,7 @@ def test_every_committed_fidelity_report_is_what_its_log_scores_to_now(monkeypat
     assert {r.stem for r in reports} >= {"gsm8k_float32", "gsm8k_bfloat16"}
     for report in reports:
         told = json.loads(report.read_text())
-        lines = report.with_suffix(".jsonl").read_text().splitlines()
-        records = [r for r in map(json.loads, lines) if "strategies" in r]
+        records = _logged_problems(report.with_suffix(".jsonl"))
         assert len(records) == told["problems"], report.name
         figures = score(records, ["kvcmas", "nonshared"])
         assert told["accuracy"] == {name: f["accuracy"] for name, f in figures.items()}, report.name

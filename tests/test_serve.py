@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentcache.config import RuntimeConfig
 from agentcache.runtime import Runtime
@@ -451,6 +452,12 @@ def _wait_healthy(port: int, process: subprocess.Popen) -> None:
     raise AssertionError("the server did not become healthy")
 
 
+def _samples(exposition: str) -> dict[str, float]:
+    """The unlabelled samples of a /metrics page, by name."""
+    return {sample.name: sample.value for family in text_string_to_metric_families(exposition)
+            for sample in family.samples if not sample.labels}
+
+
 def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
     import socket
 
@@ -471,9 +478,7 @@ def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
                                         extra_body={"agentcache": {"session": f"t{session}"}})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # shadow runs judge the writers' reads while the server is idle
-            scraped = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            if float(next(line for line in scraped.splitlines()
-                          if line.startswith("agentcache_shadow_runs_total ")).split()[1]) > 0:
+            if _samples(httpx.get(f"http://127.0.0.1:{port}/metrics").text)["agentcache_shadow_runs_total"] > 0:
                 break
             time.sleep(0.2)
         else:
@@ -512,9 +517,9 @@ def test_sigterm_drains_in_flight_requests_and_saves_the_anchor_pools(tmp_path):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         verified = next(line for line in metrics.splitlines() if line.startswith("agentcache_verified_edges "))
         assert float(verified.split()[1]) > 0  # the verdicts of the first server's shadow runs, loaded
-        counted = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                   if line.startswith(("agentcache_shadow_runs_total ", "agentcache_audits_total ",
-                                       "agentcache_audit_disagreements_total "))}
+        counted = {name: value for name, value in _samples(metrics).items()
+                   if name in ("agentcache_shadow_runs_total", "agentcache_audits_total",
+                               "agentcache_audit_disagreements_total")}
         assert counted == dict.fromkeys(counted, 0.0) and len(counted) == 3  # counted since this server started
         assert "agentcache_anchors_loaded" in metrics
     finally:
