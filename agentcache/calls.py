@@ -112,7 +112,7 @@ def plan_call(
     approximate KV the call caches is salted for its lineage in runtime `runtime_id` (none is
     cached when the strategy says so), its exact blocks for its tenant; `capture_all` asks for
     every segment's KV (for measuring); setting `cancelled` cancels the engine request."""
-    tokenized = tokenize_call(engine, call) if tokenized is None else tokenized
+    tokenized = strategy.refine(tokenize_call(engine, call) if tokenized is None else tokenized)
     lineage = lineage_salt(runtime_id, tokenized.scope, call.agent) if strategy.caches_approximate else None
     namespace = tenant_salt(call.tenant)
     planned = strategy.plan_call(tokenized, lineage=lineage, namespace=namespace, capture_all=capture_all)

@@ -8,8 +8,11 @@ for IDLE_GRACE_S (the gap between two agents of a sequential workflow is not idl
 machine the engine uses every core during a call, and float64 eigendecompositions beside it slow
 every call in flight. A runtime that is never idle (a saturated server) still learns, within a
 budget: a lesson that has waited MAX_WAIT_S runs if learning has taken less than CPU_BUDGET of the
-time since the worker started. A lesson that started runs to its end. When lessons pile up faster
-than they can run, the oldest are dropped and counted: newer ones describe the workload as it is now.
+time since the worker started. An urgent lesson (the first verification of an edge: until it
+ran, every call on the edge prefills what it could reuse) waits for neither: it runs next, beside
+calls, unless what it would learn is known by then (`needed`). A lesson that started runs to its
+end. When lessons pile up faster than they can run, the oldest are dropped and counted: newer ones
+describe the workload as it is now.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Lesson:
     name: str
     study: Callable[[], Any]
     apply: Callable[[Any], None]
+    urgent: bool = False  # run next, beside calls: no idle time or budget to wait for
+    needed: Callable[[], bool] | None = None  # asked under the lock before running: False skips it
 
 
 class IdleWorker:
@@ -61,6 +66,8 @@ class IdleWorker:
         self.done = 0
         self.dropped = 0
         self.failed = 0
+        self.skipped = 0  # urgent lessons whose lesson was learned before they ran
+        self.urgent = 0  # urgent lessons run
         self.busy_s = 0.0
         self._started = time.monotonic()
         self._busy_since = self._started  # when the runtime was last seen with a call in flight
@@ -119,7 +126,8 @@ class IdleWorker:
 
     def figures(self) -> dict:
         return dict(lessons_done=self.done, lessons_dropped=self.dropped, lessons_failed=self.failed,
-                    lessons_pending=self.pending, learning_s=round(self.busy_s, 4))
+                    lessons_pending=self.pending, lessons_urgent=self.urgent, lessons_skipped=self.skipped,
+                    learning_s=round(self.busy_s, 4))
 
     def _next(self) -> Lesson | None:
         """The oldest lesson, once it may run; None when closed or when nothing is pending (the
@@ -132,6 +140,11 @@ class IdleWorker:
                 now = time.monotonic()
                 if not self._is_idle():
                     self._busy_since = now
+                urgent = next((item for item in self._pending if item[1].urgent), None)
+                if urgent is not None:
+                    self._pending.remove(urgent)
+                    self._busy = True
+                    return urgent[1]
                 if self._pending and self._may_run(now):
                     self._busy = True
                     return self._pending.popleft()[1]
@@ -160,6 +173,12 @@ class IdleWorker:
                     self._wake.notify_all()
 
     def _run(self, lesson: Lesson) -> None:
+        if lesson.needed is not None:
+            with self._lock:
+                if not lesson.needed():
+                    self.skipped += 1
+                    return
+        self.urgent += lesson.urgent
         started = time.perf_counter()
         try:
             with torch.inference_mode():

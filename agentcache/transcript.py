@@ -6,7 +6,7 @@ A framework hands the model a list of messages. The adapters turn them into `Cha
     {system}                    PF  the agent's system message(s)
     \\n\\nTools:\\n{schemas}        PF  tool definitions, one JSON object per line, when given
     \\n\\n### user\\n               PF  glue framing the next message
-    {text}                      PH  slot "query"
+    {text}                      PH  slot "query" (a later message of the user's: "user:1", "user:2", ...)
     \\n\\n### planner\\n            PF
     {text}                      PH  slot "out:planner" (the agent's own output: "out:<self>")
     \\n\\n### tool search\\n        PF
@@ -71,11 +71,12 @@ class ChatTurn:
     source: str  # "user", the agent that wrote it, or the tool's name
     text: str
     calls: tuple[ToolCall, ...] = ()  # an agent's tool calls, after its text
+    ordinal: int = 0  # a user turn's place among the user's turns: the first is the query, later ones follow-ups
 
     @property
     def slot(self) -> str:
         if self.role == "user":
-            return "query"
+            return "query" if self.ordinal == 0 else f"user:{self.ordinal}"
         if self.role == "agent":
             return output_slot(self.source)
         return f"tool:{self.source}"

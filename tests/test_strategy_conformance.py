@@ -176,8 +176,8 @@ def test_no_strategy_changes_an_exact_prefix_block(strategy):
 class ReusesOnFirstRead(FullShared):
     """Broken: a segment with no source yet is served zeros instead of being prefilled."""
 
-    def decide(self, scope, agent, slot, token_ids, source_agent, start=0, lead_in=None, after=0):
-        decision = super().decide(scope, agent, slot, token_ids, source_agent, start, lead_in, after)
+    def decide(self, scope, agent, slot, token_ids, source_agent, start=0, lead_in=None, after=0, origin=None):
+        decision = super().decide(scope, agent, slot, token_ids, source_agent, start, lead_in, after, origin)
         if decision.decision != "first":
             return decision
         from agentcache.correction.plan import PHDecision
@@ -199,7 +199,7 @@ class SilentFaults(FullShared):
 class ReadsEveryTenant(FullShared):
     """Broken: sources are looked up in the default tenant's scope, whoever calls."""
 
-    def decide(self, scope, agent, slot, token_ids, source_agent, start=0, lead_in=None, after=0):
+    def decide(self, scope, agent, slot, token_ids, source_agent, start=0, lead_in=None, after=0, origin=None):
         from agentcache.isolation import Scope
 
         found = self.store.find(Scope("acme", scope.session), slot, token_ids)

@@ -5,6 +5,9 @@ the edge could serve (verified acceptance, `replays`) and, unless raw reuse gave
 output, the observed correction Δ = C_dense − Align(C_source) as an anchor. A sibling's dense
 read of a new segment teaches the same about its leader's KV; a reused call due for an audit is
 replayed densely. Each lesson studies with no lock held and applies under the runtime's lock.
+An edge's first verification is urgent: it runs right away, beside calls, its shadow runs at a
+call's priority, since until it has a verdict every call on the edge prefills what it could reuse
+(a server with traffic has no idle time to wait for).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from agentcache.correction.anchors import Anchor, AnchorBank
 from agentcache.correction.corrections import corrected, fits, observed_correction
 from agentcache.correction.plan import PHDecision, Served
 from agentcache.correction.records import Edge, NewAnchor, PreparedAnchor
-from agentcache.correction.replays import REPLAY_PRIORITY, dense_replay, exact_reference, shadow_run
+from agentcache.correction.replays import (FIRST_VERDICT_PRIORITY, REPLAY_PRIORITY, dense_replay, exact_reference,
+                                          shadow_run)
 from agentcache.correction.siblings import Content, Leader, study_source
 from agentcache.correction.strategies import Strategy
 from agentcache.correction.verification import Verdict, Verification
@@ -66,11 +70,13 @@ class Learner:
             edge = Edge.of(served.call.scope.tenant, seg.slot, decision.source.agent, decision.source.exact,
                            served.call.agent, _after(served, index))
             candidates = tuple(self.bank.candidates(edge.pool_key, edge.source, edge.consumer))  # as they are now
+            first = self.verification is not None and not self.verification.judged(edge)
             lessons.append(Lesson(
                 f"{seg.slot} {edge.source}->{edge.consumer}",
-                lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates, edge=edge:
-                    self.study(served, index, tokens, decision, kv, candidates, edge),
-                lambda studied, edge=edge: self.learn(edge, studied)))
+                lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates, edge=edge,
+                first=first: self.study(served, index, tokens, decision, kv, candidates, edge, first=first),
+                lambda studied, edge=edge: self.learn(edge, studied),
+                urgent=first, needed=(lambda edge=edge: not self.verification.judged(edge)) if first else None))
         return lessons
 
     def _sibling_lessons(self, served: Served) -> list[Lesson]:
@@ -118,10 +124,11 @@ class Learner:
             self.verification.record(edge, [verdict], studied.seconds / len(edges), audit=True)
 
     def study(self, served: Served, index: int, tokens: Sequence[int], decision: PHDecision, kv: SegmentKV,
-              candidates: Sequence[Anchor], edge: Edge) -> Studied:
+              candidates: Sequence[Anchor], edge: Edge, *, first: bool = False) -> Studied:
         """A lesson's work, with no lock held: the shadow runs of each reuse method the edge could
         serve (verified acceptance) and, unless raw reuse gave the same output, the anchor of the
-        observed correction (factorizing is the costliest learning: done only where it is needed)."""
+        observed correction (factorizing is the costliest learning: done only where it is needed).
+        `first`: the edge's first verdicts, which its later calls wait for: run as a call's request."""
         source, agent = decision.source, served.call.agent
         verdicts, started = [], time.perf_counter()
         shared = common_prefix(source.token_ids, tokens)
@@ -134,7 +141,9 @@ class Learner:
                                   self.engine.layout)
                 if fixed is not None:
                     methods.insert(0, ("corrected", fixed))
-            verdicts = [shadow_run(self.engine, served, index, shared, reused, method) for method, reused in methods]
+            priority = FIRST_VERDICT_PRIORITY if first else REPLAY_PRIORITY
+            verdicts = [shadow_run(self.engine, served, index, shared, reused, method, priority)
+                        for method, reused in methods]
         shadow_s = time.perf_counter() - started
         anchor = None
         raw_serves = any(v.method == "raw" and v.agrees for v in verdicts)  # then a correction is not needed

@@ -43,6 +43,9 @@ class TokenizedCall:
     scope: Scope
     segments: tuple[Segment, ...]
     token_lists: tuple[tuple[int, ...], ...]
+    # per PH segment index: the source a strategy found the segment's tokens in (`refine`)
+    origins: Mapping[int, Materialization] = field(default_factory=lambda: MappingProxyType({}), compare=False,
+                                                   repr=False)
     prompt: tuple[int, ...] = field(init=False, repr=False)
     starts: tuple[int, ...] = field(init=False, repr=False)  # each segment's first position, the length last
 
@@ -197,6 +200,12 @@ class SharedContextStrategy(ABC):
                   capture_all: bool = False) -> Planned:
         """The engine segments and PH decisions for `call`. `lineage` and `namespace` salt what the
         call may be served from the prefix cache; `capture_all`: every segment's KV comes back."""
+
+    def refine(self, call: TokenizedCall) -> TokenizedCall:
+        """The call as the strategy plans it: by default as tokenized; a strategy may split shared
+        segments where it finds their tokens in earlier materializations (`TokenizedCall.origins`).
+        Called under the runtime's lock, right before `plan_call`."""
+        return call
 
     def awaited(self, call: TokenizedCall) -> tuple[Future, ...]:
         """Work in flight (shared segments being prefilled) the call should wait for, with no lock

@@ -8,7 +8,8 @@ verified acceptance (`correction.verification`) decides on.
   reuse give the same output? (an audit)
 
 Both are the runtime's own requests (`internal`: no agent dispatch, no hit in the statistics),
-wait behind real calls for admission, cache no approximate KV (no lineage) and read exact blocks
+wait behind real calls for admission (but an edge's first shadow run, which every later call on
+the edge waits for), cache no approximate KV (no lineage) and read exact blocks
 only in the caller's tenant namespace. Greedy calls are compared on up to SHADOW_TOKENS tokens;
 a sampled call on its most likely next token only.
 """
@@ -23,12 +24,14 @@ from agentcache.engine.kv import SegmentKV
 from agentcache.engine.protocol import Engine, ExecRequest, ExecResult, SamplingParams, SegmentPlan, Step
 from agentcache.isolation import tenant_salt
 
-__all__ = ["shadow_run", "dense_replay", "exact_reference", "REPLAY_PRIORITY"]
+__all__ = ["shadow_run", "dense_replay", "exact_reference", "REPLAY_PRIORITY", "FIRST_VERDICT_PRIORITY"]
 
 REPLAY_PRIORITY = 1  # admitted after real calls (lower runs first)
+FIRST_VERDICT_PRIORITY = 0  # an edge's first shadow run: as a call, since every later call of the edge waits on it
 
 
-def shadow_run(engine: Engine, served: Served, index: int, shared: int, reused: SegmentKV, method: str) -> Verdict:
+def shadow_run(engine: Engine, served: Served, index: int, shared: int, reused: SegmentKV, method: str,
+               priority: int = REPLAY_PRIORITY) -> Verdict:
     """Replay `served` with segment `index`'s first `shared` tokens served by `reused` (canonical
     positions) and judge its output against the call's own (which prefilled that segment)."""
     call = served.call
@@ -42,7 +45,7 @@ def shadow_run(engine: Engine, served: Served, index: int, shared: int, reused: 
     # The dense call just cached this very prompt's exact blocks: served from them, the shadow would
     # judge exact KV instead of the reused one. The cache serves it up to the reused segment only.
     start = sum(len(tokens) for tokens in call.token_lists[:index])
-    shadow = _replay(engine, served, plans, lookup_limit=start)
+    shadow = _replay(engine, served, plans, lookup_limit=start, priority=priority)
     return compare_outputs(method, served.result.last_logits, _greedy_tokens(served, served.result),
                            shadow.last_logits, shadow.token_ids)
 
@@ -68,11 +71,12 @@ def exact_reference(served: Served, index: int) -> bool:
     return not any(o.lineage_tokens for parts in served.outcomes for o in parts)
 
 
-def _replay(engine: Engine, served: Served, plans: list[SegmentPlan], lookup_limit: int | None = None) -> ExecResult:
+def _replay(engine: Engine, served: Served, plans: list[SegmentPlan], lookup_limit: int | None = None,
+            priority: int = REPLAY_PRIORITY) -> ExecResult:
     tokens = max(1, min(SHADOW_TOKENS, len(served.result.token_ids))) if served.greedy else 1
     return engine.execute(ExecRequest(
         plans, SamplingParams(max_tokens=tokens), cache_salt=tenant_salt(served.call.scope.tenant),
-        internal=True, capture_kv=False, priority=REPLAY_PRIORITY, lookup_limit=lookup_limit))  # lineage None: nothing approximate is cached
+        internal=True, capture_kv=False, priority=priority, lookup_limit=lookup_limit))  # lineage None: nothing approximate is cached
 
 
 def _greedy_tokens(served: Served, reference: ExecResult) -> list[int] | None:

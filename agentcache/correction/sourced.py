@@ -34,8 +34,9 @@ from agentcache.correction.strategies import Strategy
 from agentcache.engine.kv import SegmentKV, all_finite
 from agentcache.engine.protocol import Engine, SegmentPlan, Step
 from agentcache.isolation import Scope
+from agentcache.segments import Segment
 
-__all__ = ["SourcedStrategy", "FullShared"]
+__all__ = ["SourcedStrategy", "FullShared", "SPAN_SLOT", "span_source"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class SourcedStrategy(SharedContextStrategy):
                 continue
             if uncovered:
                 decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source,
-                                     after=len(call.prompt) - call.starts[index + 1])
+                                     after=len(call.prompt) - call.starts[index + 1], origin=call.origins.get(index))
                 if decision.reused and decision.covered > covered - pos:
                     kept = 0  # nothing after reused KV is cached: later reuses cost the next call nothing more
                     decisions[index] = decision
@@ -96,6 +97,54 @@ class SourcedStrategy(SharedContextStrategy):
             pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX,
                                                    capture=capture_all or seg.kind == "ph")))
         return Planned(tuple(pieces), MappingProxyType(decisions))
+
+    def refine(self, call: TokenizedCall) -> TokenizedCall:
+        """Verified chained reuse reads shared text wherever it sits: a PH segment that no stored
+        materialization of its slot holds whole is split where its tokens are found in one of any
+        slot (`SegmentStore.spans`). Each found span becomes a PH segment read from that source
+        (`span_source`); the text around keeps the segment's slot. A segment with a pinned source
+        is left as it is."""
+        if not (self.verified and self.strategy.chained and self.engine.supports_realignment):
+            return call
+        segments: list[Segment] = []
+        token_lists: list[tuple[int, ...]] = []
+        origins: dict[int, Materialization] = {}
+        for seg, tokens in zip(call.segments, call.token_lists):
+            for piece, piece_tokens, origin in self._found_in(call.scope, call.agent, seg, tokens):
+                if origin is not None:
+                    origins[len(segments)] = origin
+                segments.append(piece)
+                token_lists.append(piece_tokens)
+        if not origins:
+            return call
+        return TokenizedCall(call.agent, call.scope, tuple(segments), tuple(token_lists), MappingProxyType(origins))
+
+    def _found_in(self, scope: Scope, agent: str, seg: Segment, tokens: tuple[int, ...]
+                  ) -> list[tuple[Segment, tuple[int, ...], Materialization | None]]:
+        """`seg` as (segment, tokens, origin) pieces: itself when nothing is found in it. Spans too
+        short to be worth reuse, and spans of the agent's own earlier prompts (what its prefix
+        cache serves), are not split out."""
+        whole = [(seg, tokens, None)]
+        if seg.kind != "ph" or seg.source is not None:
+            return whole
+        found = self.store.find(scope, seg.slot, tokens, prefer_exact=self.verified)
+        if found is not None and found[1] == len(tokens):
+            return whole
+        # a span not worth reusing alone is not split out (common phrases of a template)
+        spans = [(span, entry) for span, entry in self.store.spans(scope, tokens, prefer_exact=self.verified)
+                 if self.costs.worth(span.length) and entry.agent != agent]
+        if not spans:
+            return whole
+        pieces, cursor = [], 0
+        for span, entry in spans:
+            if span.start > cursor:
+                pieces.append((_ph_ids(seg.slot, tokens[cursor:span.start]), tokens[cursor:span.start], None))
+            origin = span_source(entry, span.offset, span.length)
+            pieces.append((_ph_ids(origin.slot, tokens[span.start:span.end]), tokens[span.start:span.end], origin))
+            cursor = span.end
+        if cursor < len(tokens):
+            pieces.append((_ph_ids(seg.slot, tokens[cursor:]), tokens[cursor:], None))
+        return pieces
 
     def dense_read(self, call: TokenizedCall, index: int, decision: PHDecision) -> PHDecision:
         """The decision of a segment the call prefills (a strategy may note more about it)."""
@@ -157,14 +206,15 @@ class SourcedStrategy(SharedContextStrategy):
 
     def plan(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int],
              source: str | None = None, *, start: int = 0, lead_in: Sequence[int] | None = None,
-             after: int = 0) -> PHDecision:
-        """How `agent` should materialize this PH segment; `source` pins the edge's source agent.
+             after: int = 0, origin: Materialization | None = None) -> PHDecision:
+        """How `agent` should materialize this PH segment; `source` pins the edge's source agent,
+        `origin` gives the source itself (a span `refine` found, holding exactly these tokens).
         `start`: where the segment sits in the call; `lead_in`: tokens (BOS first) a context-free
         reference prefill puts before the segment (default: BOS and a neutral newline); `after`:
         how many of the call's tokens follow the segment (verification tells calls apart by it)."""
         started, references_before = time.perf_counter(), self.sources.reference_s
         try:
-            decision = self.decide(scope, agent, slot, token_ids, source, start, lead_in, after)
+            decision = self.decide(scope, agent, slot, token_ids, source, start, lead_in, after, origin)
         except Exception as exc:  # noqa: BLE001 - never serve a cache a fault touched: prefill
             self.fault("plan_error", f"planning slot {slot!r} for agent {agent!r}; prefilling densely", exc)
             decision = PHDecision("fallback", reason="error")
@@ -178,12 +228,14 @@ class SourcedStrategy(SharedContextStrategy):
         """A segment that had a source was decided (a gate logs it)."""
 
     def decide(self, scope: Scope, agent: str, slot: str, token_ids: Sequence[int], source_agent: str | None,
-               start: int = 0, lead_in: Sequence[int] | None = None, after: int = 0) -> PHDecision:
-        found = self.sources.find(scope, slot, token_ids, source_agent, lead_in)
+               start: int = 0, lead_in: Sequence[int] | None = None, after: int = 0,
+               origin: Materialization | None = None) -> PHDecision:
+        found = (origin, len(token_ids)) if origin is not None else self.sources.find(scope, slot, token_ids,
+                                                                                       source_agent, lead_in)
         if found is None:
             return PHDecision("first") if self.strategy.chained else PHDecision("fallback", reason="no_source")
         source, shared = found
-        if source.agent == agent and source.how == "dense":  # its own prefill (a siblings' leader): a prefix hit
+        if origin is None and source.agent == agent and source.how == "dense":  # its own prefill: a prefix hit
             return PHDecision("fallback", reason="own_prefill")
         if not self.engine.supports_realignment:
             return PHDecision("fallback", reason="not_realignable", source=source)
@@ -236,6 +288,27 @@ class SourcedStrategy(SharedContextStrategy):
         """An agent's decoded output becomes the source of its `out:<agent>` slot."""
         if kv is not None and token_ids:
             self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded", hidden=hidden)
+
+
+SPAN_SLOT = "{slot}@span"  # the slot through which a span found in a source of `slot` is read
+
+
+def span_source(entry: Materialization, offset: int, length: int) -> Materialization:
+    """Tokens [offset, offset + length) of `entry` as a source of their own: its KV sliced (at the
+    positions it was made at), read through `SPAN_SLOT` of the entry's own slot (a span of a span
+    keeps the first slot). However the producer's prompt was cut, the same text read by the same
+    consumer is the same edge: the span's slot, source agent and exactness (a span is never the
+    producer's exact prefix) do not depend on where in the entry it sits."""
+    end = offset + length
+    hidden = entry.hidden[offset:end] if entry.hidden is not None else None  # (length, hidden size)
+    kv = entry.kv.slice(offset, end)
+    root = entry.slot.removesuffix(SPAN_SLOT.format(slot=""))
+    return replace(entry, id=f"{entry.id}[{offset}:{end}]", slot=SPAN_SLOT.format(slot=root),
+                   token_ids=entry.token_ids[offset:end], kv=replace(kv, exact_for=None), hidden=hidden)
+
+
+def _ph_ids(slot: str, token_ids: tuple[int, ...]) -> Segment:
+    return Segment(kind="ph", slot=slot, token_ids=token_ids)
 
 
 def raw_reuse(source: Materialization, shared: int) -> PHDecision:

@@ -9,7 +9,8 @@ all entries: least recently used entries go first.
 Lookups do not scan the store. A match must share at least half of the looked-up segment's tokens
 as a prefix, so every entry is indexed under its first k tokens for k = 1, 2, 4, 8, ...; a lookup
 reads the one bucket of the largest such k within that half, which holds only entries that open
-with the same k tokens.
+with the same k tokens. Entries are also indexed by token windows (`spans.SpanIndex`), so that
+`spans` finds the runs of a new segment that any entry of its scope holds, wherever they sit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from agentcache.correction.spans import MIN_SPAN_TOKENS, Span, SpanIndex
 from agentcache.engine.budget import BudgetedLRU
 from agentcache.engine.kv import SegmentKV
 from agentcache.engine.tokens import common_prefix
@@ -84,6 +86,7 @@ class SegmentStore:
         self._buckets: dict[tuple, dict[str, Materialization]] = {}  # (scope, slot, prefix) -> id -> entry
         self._by_content: dict[tuple, str] = {}  # (scope, slot, agent, tokens) -> id
         self._by_scope: dict[Scope, set[str]] = {}
+        self._spans = SpanIndex()  # token windows of every entry but context-free references
         self._ids = itertools.count()
         self.evicted = 0
         self.rejected_too_large = 0
@@ -129,6 +132,8 @@ class SegmentStore:
         self._by_scope.setdefault(scope, set()).add(entry.id)
         for key in kept.bucket_keys:
             self._buckets.setdefault(key, {})[entry.id] = entry
+        if how != "reference":
+            self._spans.add(scope, entry.id, entry.token_ids)
         for gone_id, gone in evicted:
             self._unindex(gone_id, gone)
             self.evicted += 1
@@ -173,6 +178,26 @@ class SegmentStore:
             self._kept.touch(best[0].id)
         return best
 
+    def spans(self, scope: Scope, token_ids: Sequence[int], *, prefer_exact: bool = False,
+              min_tokens: int = MIN_SPAN_TOKENS) -> list[tuple[Span, Materialization]]:
+        """The runs of `token_ids`, at least `min_tokens` long, that materializations of `scope`
+        hold anywhere in them, in order and not overlapping; of entries holding a run as long,
+        `find`'s choice (with `prefer_exact`, the oldest exact one). The entries are touched."""
+
+        def tokens_of(entry_id: str) -> tuple[int, ...] | None:
+            kept = self._kept.get(entry_id)
+            return kept.entry.token_ids if kept is not None else None
+
+        def rank(entry_id: str) -> tuple:
+            entry = self._kept.get(entry_id).entry
+            return (True, -entry.serial) if prefer_exact and entry.exact else (False, entry.serial)
+
+        found = []
+        for span in self._spans.find(scope, token_ids, tokens_of, rank, min_tokens):
+            self._kept.touch(span.entry_id)
+            found.append((span, self._kept.get(span.entry_id).entry))
+        return found
+
     def remove(self, entry_id: str) -> None:
         """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt)."""
         kept = self._kept.pop(entry_id)
@@ -180,6 +205,7 @@ class SegmentStore:
             self._unindex(entry_id, kept)
 
     def _unindex(self, entry_id: str, kept: _Kept) -> None:
+        self._spans.remove(entry_id)
         if self._by_content.get(kept.content_key) == entry_id:
             del self._by_content[kept.content_key]
         scope = kept.content_key[0]

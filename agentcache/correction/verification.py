@@ -134,6 +134,11 @@ class Verification:
         method = record.choice(can_correct, needed) if record is not None else None
         return (method, None) if method is not None else (None, "unverified")
 
+    def judged(self, edge: Edge) -> bool:
+        """Whether a shadow run (or an audit) has given the edge a verdict yet."""
+        record = self.edges.get(edge)
+        return record is not None and any(record.verdicts.values())
+
     def serves_from(self, tenant: str | None, slot: str, source_agent: str) -> bool:
         """Whether some edge from `source_agent`'s exact materialization of `slot` serves reuse."""
         return any((edge.tenant, edge.slot, edge.source) == (tenant, slot, source_agent) and edge.exact_source

@@ -356,7 +356,10 @@ class _Reply:
                      "instance": self.runtime.id[:12],  # which server answered (behind a router)
                      "ttft_s": result.ttft_s, "queued_s": result.queued_s, "cached_tokens": result.cached_tokens,
                      "reused_tokens": result.reused_tokens,
-                     "decisions": [[segment.name, segment.decision] for segment in result.segments if segment.kind == "ph"]}
+                     "decisions": [[segment.name, segment.decision] for segment in result.segments if segment.kind == "ph"],
+                     "shared": [{"slot": segment.name, "tokens": segment.length, "decision": segment.decision,
+                                 "reason": segment.reason, "source": segment.source, "reused": segment.injected_tokens}
+                                for segment in result.segments if segment.kind == "ph"]}
         if parsed is not None and parsed.invalid:
             extension["invalid_tool_calls"] = [{"text": bad.text, "error": bad.error, "name": bad.name}
                                                for bad in parsed.invalid]

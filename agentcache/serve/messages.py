@@ -1,7 +1,8 @@
 """OpenAI chat messages as the shared transcript layout (`agentcache.transcript`), as the adapters lay them out.
 
 System (and "developer") messages are the calling agent's private prefix (PF). A user message is
-the query (PH "query"), unless it carries another agent's `name`: then it is that agent's
+the query (PH "query"; the user's later messages "user:1", "user:2", ...: a closing ask is not the
+document before it), unless it carries another agent's `name`: then it is that agent's
 output handed over (PH "out:<name>"), as AutoGen's client sends other agents' messages. An
 assistant message is the caller's own earlier output (PH "out:<self>"), or another agent's when
 it names one; its `tool_calls` become the turn's calls. A tool message is the result of the call
@@ -44,11 +45,13 @@ class Transcript:
         an output the session knows is read as that output, whatever name the client gave its author
         (AutoGen names the author by its agent name; the author called in by its fingerprint)."""
         read = []
+        asked = 0  # the user's own messages so far: the first is the query, each later one a slot of its own
         for role, name, text, calls in self._turns:
             if role == "user":
                 other = name and name != "user"
                 author = _known_author(text, known, agent) or name
-                read.append(ChatTurn("agent", author, text) if other else ChatTurn("user", "user", text))
+                read.append(ChatTurn("agent", author, text) if other else ChatTurn("user", "user", text, ordinal=asked))
+                asked += not other
             elif role == "assistant":
                 author = (_known_author(text, known, agent) or name) if name and name != agent else agent
                 read.append(ChatTurn("agent", author, text, calls))
