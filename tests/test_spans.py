@@ -217,3 +217,25 @@ def test_the_users_later_messages_have_slots_of_their_own():
                                 {"role": "user", "name": "reader", "content": "the notes"},
                                 {"role": "user", "content": "Check the notes."}])
     assert [turn.slot for turn in transcript.turns("checker")] == ["query", "out:reader", "user:1"]
+
+
+def test_an_edge_never_judged_at_this_distance_takes_its_neighbours_method_and_is_audited_once():
+    from agentcache.correction.records import Edge
+    from agentcache.correction.verification import Verdict, Verification
+
+    verification = Verification()
+    judged = Edge.of(None, "query@span", "reader", False, "checker", tokens_after=70)  # bucket 3
+    verification.record(judged, [Verdict("raw", True, 0.01, 8)])
+    nearer = Edge.of(None, "query@span", "reader", False, "checker", tokens_after=30)  # bucket 2
+    farther = Edge.of(None, "query@span", "reader", False, "checker", tokens_after=300)  # bucket 4
+    far_off = Edge.of(None, "query@span", "reader", False, "checker", tokens_after=1100)  # bucket 5
+    other = Edge.of(None, "query@span", "reader", False, "critic", tokens_after=30)
+    assert verification.decide(nearer, can_correct=False) == ("raw", None)
+    assert verification.decide(farther, can_correct=False) == ("raw", None)
+    assert verification.decide(far_off, can_correct=False) == (None, "unverified")  # two buckets away
+    assert verification.decide(other, can_correct=False) == (None, "unverified")  # another consumer
+    assert verification.figures()["borrowed_edges"] == 2
+    assert verification.audit_due(nearer) and not verification.audit_due(nearer)  # its first reuse is audited
+    # once the edge has a verdict of its own, that verdict decides: a disagreement stops the borrowing
+    verification.record(nearer, [Verdict("raw", False, 0.9, 8)], audit=True)
+    assert verification.decide(nearer, can_correct=False) == (None, "unverified")
