@@ -430,19 +430,28 @@ def run(args: argparse.Namespace) -> dict:
     answers: dict[str, dict[str, list[str]]] = {}
     starts: dict[str, list[float]] = {}
     counters: dict[str, dict[str, float]] = {}
+    failures: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as scratch:
         for round_index in range(args.rounds):
             order = servers[round_index % len(servers):] + servers[:round_index % len(servers)]
             for name in order:
-                process, start_s = start_server(name, args, directory, Path(scratch))
+                try:
+                    process, start_s = start_server(name, args, directory, Path(scratch))
+                except SystemExit as exc:  # it did not start: said in the result, the others still run
+                    failures.setdefault(name, []).append(str(exc)[-1500:])
+                    continue
                 starts.setdefault(name, []).append(round(start_s, 2))
                 try:
                     for load in args.loads:
                         with cpu_burner(load == "busy"):
                             asyncio.run(serve_workloads(name, args, process.url, load, table, answers))
                     counters[name] = scraped(process.url)
+                except Exception as exc:  # noqa: BLE001 - a failed request ends this server's run, said in the result
+                    failures.setdefault(name, []).append(f"{type(exc).__name__}: {exc}"[-1500:] + "\n" + process.tail())
                 finally:
                     process.stop()
+        if args.quick and failures:
+            raise SystemExit(f"vs_vllm: {failures}")
     for rows in table.values():
         for name, row in rows.items():
             rows[name] = figures_of(row.pop("runs"))
@@ -451,7 +460,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "vs_vllm", "quick": args.quick, "model": args.model, "dtype": args.dtype,
         "vllm": f"{found[0]} {found[1]}" if found else None, "servers": servers, "workloads": args.workloads,
         "loads": args.loads, "workflows": args.workflows, "rounds": args.rounds, "people": args.people,
-        "start_s": starts, "agentcache_counters": counters, "table": table, **headline(table),
+        "start_s": starts, "failures": failures, "agentcache_counters": counters, "table": table, **headline(table),
         "machine": machine(), "commands": {name: " ".join(server_command(name, args, directory, 0)[1:])
                                            for name in servers},
     }

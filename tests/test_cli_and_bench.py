@@ -184,12 +184,12 @@ def test_engine_bench_prints_one_json_object_with_the_issue_keys():
     assert result["prefill_throughput_ratio"] > 0 and result["prefix_hit_ttft_ratio"] > 0
 
 
-def _readme_snippet(marker: str) -> str:
-    """The README's python snippet that contains `marker` (exactly one does)."""
+def _readme_snippet(marker: str, page: str = "README.md") -> str:
+    """The python snippet of the README (or of another `page`) that contains `marker` (exactly one does)."""
     import re
 
-    found = [s for s in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if marker in s]
-    assert len(found) == 1, f"{len(found)} README snippets contain {marker!r}"
+    found = [s for s in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S) if marker in s]
+    assert len(found) == 1, f"{len(found)} {page} snippets contain {marker!r}"
     return found[0]
 
 
@@ -207,8 +207,8 @@ def _run_snippet(snippet: str, directory: Path) -> dict:
     return namespace
 
 
-def test_readme_engine_snippet_runs(tmp_path):
-    namespace = _run_snippet(_readme_snippet("SegmentPlan("), tmp_path)
+def test_the_engine_pages_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("SegmentPlan(", "docs/engine.md"), tmp_path)
     assert namespace["result"].segments[1].kv.length == namespace["query_kv"].length > 0
 
 
@@ -231,8 +231,8 @@ def test_readme_runtime_snippet_runs(tmp_path):
     assert rt.summary()["calls"] == 3 and rt.strategy.name == "kvcmas"
 
 
-def test_readme_scout_snippet_runs(tmp_path):
-    namespace = _run_snippet(_readme_snippet("TraceRecorder"), tmp_path)
+def test_the_scout_pages_snippet_runs(tmp_path):
+    namespace = _run_snippet(_readme_snippet("TraceRecorder", "docs/scout.md"), tmp_path)
     rt, engine, trace = namespace["rt"], namespace["engine"], namespace["trace"]
     assert engine.pool.policy.name == "survival" and engine.pool.policy.learner.dispatches == 9
     assert engine.pool.policy.learner.predict("planner") == "local"

@@ -86,12 +86,13 @@ class SourcedStrategy(SharedContextStrategy):
             if uncovered:
                 decision = self.plan(call.scope, call.agent, seg.slot, tokens, seg.source,
                                      after=len(call.prompt) - call.starts[index + 1], origin=call.origins.get(index))
-                if decision.reused and decision.covered > covered - pos:
+                beyond_cache = decision.covered - max(0, covered - pos)  # what reuse serves past the prefix cache
+                if decision.reused and beyond_cache > 0 and self.costs.worth(beyond_cache):
                     kept = 0  # nothing after reused KV is cached: later reuses cost the next call nothing more
                     decisions[index] = decision
                     pieces.extend(Piece(index, plan) for plan in self.engine_segments(seg.slot, tokens, decision))
                     continue
-                if decision.reused:  # the prefix cache already serves what the source covers
+                if decision.reused:  # the prefix cache already serves (nearly) what the source covers
                     decision = PHDecision("fallback", reason="prefix_covers_source", source=decision.source)
                 decisions[index] = self.dense_read(call, index, decision)
             pieces.append(Piece(index, SegmentPlan(seg.name, tokens, Step.PREFIX,
