@@ -75,11 +75,11 @@ ROLES = {
     "analyst": "You point out which lines of the document matter for the question.",
     "planner": "You say in one sentence how the team should find the answer.",
 }
-QUESTIONS = [  # the control workload: short, distinct, nothing shared
-    ("What is 17 plus 25? Answer with the number.", "You are a careful calculator."),
-    ("Name the capital of Portugal in one word.", "You are a geography tutor."),
-    ("Give one synonym of 'quick'.", "You are a thesaurus."),
-    ("How many legs does a spider have? One number.", "You are a biology teacher."),
+QUESTIONS = [  # the control workload: short, distinct, nothing shared (`{n}` differs per workflow)
+    ("What is {n} plus 25? Answer with the number.", "You are a careful calculator."),
+    ("Name a city founded before the year {n}, in one word.", "You are a geography tutor."),
+    ("Give one synonym of 'quick' and the number {n}.", "You are a thesaurus."),
+    ("How many legs do {n} spiders have? One number.", "You are a biology teacher."),
 ]
 
 
@@ -190,7 +190,8 @@ async def group_chat(client: Client, doc: Doc, tokens: dict[str, int]) -> list[R
 async def control(client: Client, doc: Doc, tokens: dict[str, int]) -> list[Reply]:
     replies = []
     for index, (question, role_text) in enumerate(QUESTIONS):
-        replies.append(await client.ask(f"agent{index}", [{"role": "system", "content": role_text}, user(question)],
+        text = question.format(n=doc.answer % 997 + index)  # nothing a prefix cache holds from another workflow
+        replies.append(await client.ask(f"agent{index}", [{"role": "system", "content": role_text}, user(text)],
                                         tokens["checker"]))
     return replies
 
