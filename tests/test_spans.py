@@ -239,3 +239,30 @@ def test_an_edge_never_judged_at_this_distance_takes_its_neighbours_method_and_i
     # once the edge has a verdict of its own, that verdict decides: a disagreement stops the borrowing
     verification.record(nearer, [Verdict("raw", False, 0.9, 8)], audit=True)
     assert verification.decide(nearer, can_correct=False) == (None, "unverified")
+
+
+def test_a_fault_while_finding_spans_is_counted_and_the_call_runs_unsplit(monkeypatch):
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy="kvcmas",
+                 config=RuntimeConfig(self_check=False, learn="after_call"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("index corrupted")
+
+    monkeypatch.setattr(SegmentStore, "spans", broken)
+    reader, checker = inline_team(rt, "s0", text_of_length(rt.engine, 80, seed=3))
+    assert [s.name for s in checker.segments if s.kind == "ph"] == ["query"] and checker.token_ids
+    assert rt.summary()["faults"]["span_error"] == 2  # each call that looked, the reader's and the checker's
+
+
+def test_removing_a_spans_source_removes_the_entry_it_was_cut_from():
+    store = SegmentStore(byte_budget=1 << 30)
+    shape = (2, 1, 152, 4)  # (L, H, T, D)
+    document = tokens(100, 150)
+    entry = store.put(SCOPE, "query", "reader", [1, 2, *document], SegmentKV(torch.zeros(shape), torch.zeros(shape), 0),
+                      "dense")
+    from agentcache.correction.sourced import span_source
+
+    span = span_source(entry, 2, 150)
+    assert span.slot == "query@span" and span.token_ids == tuple(document) and span.kv.start == 2 and not span.exact
+    store.remove(span.id)  # a refused or unsound span source: its entry stops being offered
+    assert len(store) == 0 and store.spans(SCOPE, [9, 9, *document]) == []

@@ -107,6 +107,13 @@ class SourcedStrategy(SharedContextStrategy):
         is left as it is."""
         if not (self.verified and self.strategy.chained and self.engine.supports_realignment):
             return call
+        try:
+            return self._split(call)
+        except Exception as exc:  # noqa: BLE001 - a fault while looking costs only the split: planned as it came
+            self.fault("span_error", f"finding shared spans in agent {call.agent!r}'s call; planned unsplit", exc)
+            return call
+
+    def _split(self, call: TokenizedCall) -> TokenizedCall:
         segments: list[Segment] = []
         token_lists: list[tuple[int, ...]] = []
         origins: dict[int, Materialization] = {}

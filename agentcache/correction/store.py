@@ -199,8 +199,12 @@ class SegmentStore:
         return found
 
     def remove(self, entry_id: str) -> None:
-        """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt)."""
+        """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt).
+        The id of a span of an entry (`sourced.span_source`: "<id>[a:b]") removes that entry."""
         kept = self._kept.pop(entry_id)
+        if kept is None and entry_id.endswith("]"):
+            entry_id = entry_id.rpartition("[")[0]
+            kept = self._kept.pop(entry_id)
         if kept is not None:
             self._unindex(entry_id, kept)
 
