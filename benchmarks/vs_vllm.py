@@ -40,13 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from _report import fill_defaults, judge_aims, machine, run_and_emit  # benchmarks/, the script's own folder
 from scale_out import Process, wait_healthy
-from serve_load import free_port
+from serve_load import _ratio, free_port
 
 SERVERS = ("vllm-serve", "agentcache", "agentcache-nonshared", "agentcache-vllm")
 BASELINE = "vllm-serve"
@@ -323,17 +324,11 @@ def figures_of(runs: list[Ran]) -> dict[str, Any]:
         "long_segments": len(long_shared),
         "long_segments_reused": (round(sum(s["decision"] in ("reused", "corrected") for s in long_shared)
                                        / len(long_shared), 4) if long_shared else None),
-        "long_segment_fallbacks": _counts(s.get("reason") for s in long_shared if s["decision"] == "fallback"),
+        "long_segment_fallbacks": dict(Counter(str(s.get("reason")) for s in long_shared
+                                               if s["decision"] == "fallback")),
         "right": sum(ran.right for ran in runs),
         "answers": sum(len(ran.answers) for ran in runs),
     }
-
-
-def _counts(items) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[str(item)] = counts.get(str(item), 0) + 1
-    return counts
 
 
 def _mean(values: list[float]) -> float | None:
@@ -342,10 +337,6 @@ def _mean(values: list[float]) -> float | None:
 
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 4) if a is not None and b else None
 
 
 def compared(table: dict[str, dict[str, Any]], answers: dict[str, dict[str, list[str]]]) -> None:

@@ -264,5 +264,5 @@ def test_removing_a_spans_source_removes_the_entry_it_was_cut_from():
 
     span = span_source(entry, 2, 150)
     assert span.slot == "query@span" and span.token_ids == tuple(document) and span.kv.start == 2 and not span.exact
-    store.remove(span.id)  # a refused or unsound span source: its entry stops being offered
+    store.remove(span.entry_id)  # a refused or unsound span source: its entry stops being offered
     assert len(store) == 0 and store.spans(SCOPE, [9, 9, *document]) == []

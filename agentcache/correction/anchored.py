@@ -60,12 +60,12 @@ class AnchoredStrategy(SourcedStrategy):
         try:
             aligned = self.engine.realign(source.kv.slice(0, shared), 0)
         except Exception:
-            self.store.remove(source.id)  # a source that cannot be re-aligned is not used again
+            self.store.remove(source.entry_id)  # a source that cannot be re-aligned is not used again
             raise
         try:
             return self.correct(scope, agent, slot, source, aligned, start)
         except Exception:
-            self.store.remove(source.id)
+            self.store.remove(source.entry_id)
             for anchor in self.bank.candidates((scope.tenant, slot), source.agent, agent):
                 self.bank.drop((scope.tenant, slot), anchor)
             raise

@@ -194,7 +194,7 @@ class SourcedStrategy(SharedContextStrategy):
         self.fault("engine_rejected", f"the engine refused reused KV for agent {agent!r}; prefilling densely", exc)
         for decision in decisions.values():
             if decision.reused and decision.source is not None:
-                self.store.remove(decision.source.id)
+                self.store.remove(decision.source.entry_id)
 
     def forget(self, scope: Scope) -> None:
         """A session ended: its source caches go."""
@@ -277,7 +277,7 @@ class SourcedStrategy(SharedContextStrategy):
         if not sound:
             self.faults["bad_source"] += 1
             log.warning("removing source cache %s of slot %r: wrong shape or NaN/Inf", source.id, source.slot)
-            self.store.remove(source.id)
+            self.store.remove(source.entry_id)
         return sound
 
     # --- one shared segment, after the call ------------------------------------------------
@@ -298,7 +298,8 @@ class SourcedStrategy(SharedContextStrategy):
             self.store.put(scope, f"out:{agent}", agent, token_ids, kv, "decoded", hidden=hidden)
 
 
-SPAN_SLOT = "{slot}@span"  # the slot through which a span found in a source of `slot` is read
+_SPAN_SUFFIX = "@span"
+SPAN_SLOT = "{slot}" + _SPAN_SUFFIX  # the slot through which a span found in a source of `slot` is read
 
 
 def span_source(entry: Materialization, offset: int, length: int) -> Materialization:
@@ -310,9 +311,10 @@ def span_source(entry: Materialization, offset: int, length: int) -> Materializa
     end = offset + length
     hidden = entry.hidden[offset:end] if entry.hidden is not None else None  # (length, hidden size)
     kv = entry.kv.slice(offset, end)
-    root = entry.slot.removesuffix(SPAN_SLOT.format(slot=""))
-    return replace(entry, id=f"{entry.id}[{offset}:{end}]", slot=SPAN_SLOT.format(slot=root),
-                   token_ids=entry.token_ids[offset:end], kv=replace(kv, exact_for=None), hidden=hidden)
+    slot = SPAN_SLOT.format(slot=entry.slot.removesuffix(_SPAN_SUFFIX))
+    return replace(entry, id=f"{entry.id}[{offset}:{end}]", slot=slot,
+                   token_ids=entry.token_ids[offset:end], kv=replace(kv, exact_for=None), hidden=hidden,
+                   cut_from=entry.entry_id)
 
 
 def _ph_ids(slot: str, token_ids: tuple[int, ...]) -> Segment:

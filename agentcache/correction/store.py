@@ -44,6 +44,12 @@ class Materialization:
     how: str  # "dense", "prefix_hit", "corrected", "reused", "decoded", "reference"
     serial: int = 0  # order of materialization: higher is newer
     hidden: torch.Tensor | None = None  # (T, hidden size) entering DroidSpeak's layer group, when kept
+    cut_from: str | None = None  # a span of a kept entry (`sourced.span_source`): that entry's id
+
+    @property
+    def entry_id(self) -> str:
+        """The id of the store entry that holds it: what to remove when it proves unsound."""
+        return self.cut_from or self.id
 
     @property
     def exact(self) -> bool:
@@ -199,12 +205,8 @@ class SegmentStore:
         return found
 
     def remove(self, entry_id: str) -> None:
-        """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt).
-        The id of a span of an entry (`sourced.span_source`: "<id>[a:b]") removes that entry."""
+        """Forget an entry, by the keys recorded when it was put (its own fields may be corrupt)."""
         kept = self._kept.pop(entry_id)
-        if kept is None and entry_id.endswith("]"):
-            entry_id = entry_id.rpartition("[")[0]
-            kept = self._kept.pop(entry_id)
         if kept is not None:
             self._unindex(entry_id, kept)
 
