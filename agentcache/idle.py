@@ -8,9 +8,10 @@ for IDLE_GRACE_S (the gap between two agents of a sequential workflow is not idl
 machine the engine uses every core during a call, and float64 eigendecompositions beside it slow
 every call in flight. A runtime that is never idle (a saturated server) still learns, within a
 budget: a lesson that has waited MAX_WAIT_S runs if learning has taken less than CPU_BUDGET of the
-time since the worker started. An urgent lesson (the first verification of an edge: until it
-ran, every call on the edge prefills what it could reuse) waits for neither: it runs next, beside
-calls, unless what it would learn is known by then (`needed`). A lesson that started runs to its
+time since the worker started. An urgent lesson (an edge's first verdict for a method: until then,
+every call on the edge prefills what it could reuse) waits for neither: it runs next, beside
+calls, unless what it would learn is known by then (`needed`). A lesson that starts beside calls
+computes on one thread. A lesson that started runs to its
 end. When lessons pile up faster than they can run, the oldest are dropped and counted: newer ones
 describe the workload as it is now.
 """
@@ -28,14 +29,19 @@ from typing import Any, Callable
 
 import torch
 
+from agentcache.engine.vllm.gate import set_threads
+
 __all__ = ["Lesson", "IdleWorker", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S", "CPU_BUDGET"]
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # lessons waiting for idle time; the oldest go first beyond this
-IDLE_GRACE_S = 0.05  # no call for this long: idle
+IDLE_GRACE_S = 0.5  # no call for this long: idle (over HTTP the next agent of a workflow can take 0.1 s to arrive)
 MAX_WAIT_S = 1.0  # a lesson waiting this long may run beside calls, within the budget
 CPU_BUDGET = 0.1  # share of wall time learning may take beside calls
+# torch threads of a lesson that starts beside calls: the engine's steps use every core, and a second
+# OpenMP team on the same cores slows both (oversubscribed teams cost up to 10x on 2 cores)
+BESIDE_CALLS_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class IdleWorker:
         self._started = time.monotonic()
         self._busy_since = self._started  # when the runtime was last seen with a call in flight
         self._thread: threading.Thread | None = None  # started by a submit, ends when nothing is pending
+        self._threads = torch.get_num_threads()  # an idle machine's: the creating thread's
         _workers.add(self)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -105,8 +112,10 @@ class IdleWorker:
             self._wake.notify_all()
 
     def poke(self) -> None:
-        """A call left the runtime: the engine may be idle now."""
+        """A call left the runtime: the engine may be idle from now (not from the worker's last look,
+        which a busy machine can delay by more than IDLE_GRACE_S)."""
         with self._wake:
+            self._busy_since = time.monotonic()
             self._wake.notify_all()
 
     @property
@@ -180,6 +189,7 @@ class IdleWorker:
                     return
         self.urgent += lesson.urgent
         started = time.perf_counter()
+        set_threads(self._threads if self._is_idle() else BESIDE_CALLS_THREADS)  # for this worker's thread
         try:
             with torch.inference_mode():
                 result = lesson.study()

@@ -281,6 +281,43 @@ def test_lessons_wait_for_idle_time_and_the_oldest_go_first_when_they_pile_up():
     worker.stop()
 
 
+def test_idle_time_counts_from_the_last_call_that_landed():
+    """A sequential workflow's next agent arrives some 50 ms after the last one landed (over HTTP):
+    that gap is not idle time, however long ago the worker last looked."""
+    from agentcache.idle import IDLE_GRACE_S
+
+    ran = []
+    worker = IdleWorker(lambda: True, threading.RLock(), on_fault=lambda name, exc: None)
+    time.sleep(IDLE_GRACE_S + 0.1)  # the worker has seen no call for longer than the grace
+    worker.submit([Lesson("later", lambda: 1, ran.append)])
+    for _ in range(4):
+        worker.poke()  # a call just landed
+        time.sleep(IDLE_GRACE_S / 5)
+        assert ran == []
+    assert worker.drain(5.0) and ran == [1]
+    worker.stop()
+
+
+def test_a_lesson_beside_calls_computes_on_one_thread_and_an_idle_one_on_the_machines():
+    from agentcache.idle import BESIDE_CALLS_THREADS
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        busy, seen = threading.Event(), []
+        busy.set()
+        worker = IdleWorker(lambda: not busy.is_set(), threading.RLock(), on_fault=lambda name, exc: None)
+        worker.submit([Lesson("first verdict", torch.get_num_threads, seen.append, urgent=True)])
+        assert worker.drain(5.0)  # urgent: runs while a call is in flight
+        busy.clear()
+        worker.submit([Lesson("when idle", torch.get_num_threads, seen.append)])
+        assert worker.drain(5.0)
+        assert seen == [BESIDE_CALLS_THREADS, 2]
+        worker.stop()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_idle_learning_reaches_the_same_pools_as_learning_after_each_call():
     rts = {mode: Runtime(make_engine("tiny-llama", pool_blocks=1024), strategy="kvcmas",
                          config=RuntimeConfig(self_check=False, learn=mode)) for mode in ("idle", "after_call")}

@@ -43,14 +43,16 @@ class Prompt:
     def _tokens(self, n: int) -> tuple[int, ...]:
         return tuple(range(100 + self.end, 100 + self.end + n))
 
-    def layout(self, hit: int = 0, *, prefill_chunk: int = BIG, warmup_chunk: int = 64, warmup: bool = False):
-        request = ExecRequest(self.segments, warmup=warmup)
+    def layout(self, hit: int = 0, *, prefill_chunk: int = BIG, warmup_chunk: int = 64, warmup: bool = False,
+               background_chunk: int | None = None, internal: bool = False):
+        request = ExecRequest(self.segments, warmup=warmup, internal=internal)
         ends, at = [], 0
         for seg in self.segments:
             at += len(seg.token_ids)
             ends.append(at)
         digests = prefix_digests(request.token_ids, ends, MODEL)
-        return prefill_layout(request, hit, digests, prefill_chunk=prefill_chunk, warmup_chunk=warmup_chunk)
+        return prefill_layout(request, hit, digests, prefill_chunk=prefill_chunk, warmup_chunk=warmup_chunk,
+                              background_chunk=background_chunk)
 
 
 def passes(layout, picked=()) -> list[tuple[int, ...]]:
@@ -99,6 +101,14 @@ def test_a_warmup_prefills_in_its_own_small_chunks():
     prompt = Prompt().text(10)
     assert prompt.layout(prefill_chunk=8, warmup_chunk=3, warmup=True).head == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9,))
     assert prompt.layout(prefill_chunk=8, warmup_chunk=3).head == ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9))
+
+
+def test_the_runtimes_own_requests_prefill_in_background_chunks():
+    prompt = Prompt().text(10)
+    shadow = prompt.layout(prefill_chunk=8, background_chunk=4, internal=True)
+    assert shadow.head == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9)) and shadow.chunk == 4
+    assert prompt.layout(prefill_chunk=8, background_chunk=4).head == ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9))  # a call's
+    assert prompt.layout(prefill_chunk=8, internal=True).head == ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9))  # none set
 
 
 def test_the_last_prompt_token_is_always_computed():

@@ -211,6 +211,48 @@ def test_an_urgent_lesson_runs_while_calls_are_in_flight_and_a_learned_one_is_sk
     worker.stop()
 
 
+def test_a_method_without_a_verdict_is_untested_until_the_edge_serves():
+    from agentcache.correction.records import Edge
+    from agentcache.correction.verification import Verdict, Verification
+
+    verification = Verification()
+    edge = Edge.of(None, "query", "reader", True, "checker", tokens_after=70)
+    assert verification.untested(edge, ["raw"]) == ["raw"]  # never judged
+    verification.record(edge, [Verdict("raw", False, 0.9, 8)])
+    assert verification.untested(edge, ["raw"]) == []  # raw disagreed and nothing else can be tried yet
+    assert verification.untested(edge, ["raw", "corrected"]) == ["corrected"]  # the edge has anchors now
+    verification.record(edge, [Verdict("corrected", True, 0.01, 8)])
+    assert verification.untested(edge, ["raw", "corrected"]) == []  # it serves the correction
+
+
+def test_an_edge_whose_raw_reuse_disagreed_verifies_its_correction_on_its_next_call_at_once(monkeypatch):
+    """Raw reuse disagrees on the edge's first call (forced here; a random model may agree): the
+    anchor that call taught makes the correction testable, and the next call's shadow run of it is
+    urgent too. Once both methods have verdicts, nothing on the edge is urgent."""
+    from agentcache.correction import replays
+    from agentcache.correction.verification import Verdict
+
+    real = replays.compare_outputs
+
+    def raw_disagrees(method, *args):
+        verdict = real(method, *args)
+        return Verdict(method, False, verdict.kl, verdict.tokens) if method == "raw" else verdict
+
+    monkeypatch.setattr(replays, "compare_outputs", raw_disagrees)
+    rt = Runtime(make_engine("tiny-llama", pool_blocks=2048), strategy="kvcmas",
+                 config=RuntimeConfig(self_check=False, learn="after_call"))
+    urgent = []
+    for index in range(3):
+        _, checker = inline_team(rt, f"s{index}", text_of_length(rt.engine, 80, seed=20 + index))
+        urgent.append(rt.summary()["lessons_urgent"])
+        if index == 1:
+            assert span_of(checker).reason == "unverified"  # raw disagreed, the correction not yet tried
+    figures = rt.summary()
+    assert urgent[:2] == [1, 2] and urgent[2] == 2
+    assert figures["shadow_disagreed"]["raw"] >= 2
+    assert figures["shadow_agreed"]["corrected"] + figures["shadow_disagreed"]["corrected"] >= 1
+
+
 def test_the_users_later_messages_have_slots_of_their_own():
     transcript = read_messages([{"role": "system", "content": "You check."},
                                 {"role": "user", "content": "the document"},

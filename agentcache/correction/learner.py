@@ -5,9 +5,10 @@ the edge could serve (verified acceptance, `replays`) and, unless raw reuse gave
 output, the observed correction Δ = C_dense − Align(C_source) as an anchor. A sibling's dense
 read of a new segment teaches the same about its leader's KV; a reused call due for an audit is
 replayed densely. Each lesson studies with no lock held and applies under the runtime's lock.
-An edge's first verification is urgent: it runs right away, beside calls, its shadow runs at a
-call's priority, since until it has a verdict every call on the edge prefills what it could reuse
-(a server with traffic has no idle time to wait for).
+A lesson that gives an edge serving nothing a method's first verdict (raw reuse on its first
+dense call; the correction, once the edge has anchors, when raw reuse disagreed) is urgent: it runs
+right away, beside calls, its shadow runs at a call's priority, since until then every call on the
+edge prefills what it could reuse (a server with traffic has no idle time to wait for).
 """
 
 from __future__ import annotations
@@ -70,14 +71,26 @@ class Learner:
             edge = Edge.of(served.call.scope.tenant, seg.slot, decision.source.agent, decision.source.exact,
                            served.call.agent, _after(served, index))
             candidates = tuple(self.bank.candidates(edge.pool_key, edge.source, edge.consumer))  # as they are now
-            first = self.verification is not None and not self.verification.judged(edge)
+            first = self._first_verdict(served, index, edge, candidates)
             lessons.append(Lesson(
                 f"{seg.slot} {edge.source}->{edge.consumer}",
                 lambda index=index, tokens=tokens, decision=decision, kv=kv, candidates=candidates, edge=edge,
                 first=first: self.study(served, index, tokens, decision, kv, candidates, edge, first=first),
                 lambda studied, edge=edge: self.learn(edge, studied),
-                urgent=first, needed=(lambda edge=edge: not self.verification.judged(edge)) if first else None))
+                urgent=first, needed=(lambda edge=edge, candidates=candidates:
+                                      bool(self._untested(edge, candidates))) if first else None))
         return lessons
+
+    def _first_verdict(self, served: Served, index: int, edge: Edge, candidates: Sequence[Anchor]) -> bool:
+        """Whether this call's shadow runs would give the edge a method's first verdict while it serves
+        nothing (its calls prefill until then): the lesson is then urgent. A call that reused another
+        segment is no exact reference (no shadow run): it only builds an anchor, when idle."""
+        return (self.verification is not None and exact_reference(served, index)
+                and bool(self._untested(edge, candidates)))
+
+    def _untested(self, edge: Edge, candidates: Sequence[Anchor]) -> list[str]:
+        methods = ["raw"] + (["corrected"] if any(fits(a, self.engine.layout) for a in candidates) else [])
+        return self.verification.untested(edge, methods)
 
     def _sibling_lessons(self, served: Served) -> list[Lesson]:
         """A sibling's dense read of a new segment: the leader's prefill is rebuilt (mostly from the

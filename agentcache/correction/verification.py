@@ -157,6 +157,16 @@ class Verification:
         record = self.edges.get(edge)
         return record is not None and any(record.verdicts.values())
 
+    def untested(self, edge: Edge, methods: Sequence[str]) -> list[str]:
+        """Of `methods` (those a shadow run of the edge could try now), the ones that could make the
+        edge serve reuse and have no verdict on it yet: none while the edge serves a method."""
+        record = self.edges.get(edge)
+        if record is None:
+            return list(methods)
+        if record.choice(can_correct="corrected" in methods) is not None:
+            return []
+        return [m for m in methods if not record.verdicts.get(m)]
+
     def serves_from(self, tenant: str | None, slot: str, source_agent: str) -> bool:
         """Whether some edge from `source_agent`'s exact materialization of `slot` serves reuse."""
         return any((edge.tenant, edge.slot, edge.source) == (tenant, slot, source_agent) and edge.exact_source

@@ -126,15 +126,17 @@ class PrefillLayout:
 
 
 def prefill_layout(request: ExecRequest, hit: int, digests: Mapping[int, bytes], *, prefill_chunk: int,
-                   warmup_chunk: int) -> PrefillLayout:
+                   warmup_chunk: int, background_chunk: int | None = None) -> PrefillLayout:
     """The layout of `request`'s prefill after a prefix hit of `hit` tokens. `digests` maps each
     segment's end to the digest of the prompt up to there (what exact KV ending there was computed
-    after). A warm-up prefills in chunks of `warmup_chunk` (what a real arrival may wait behind)."""
+    after). A warm-up prefills in chunks of `warmup_chunk`, the runtime's own work (shadow runs,
+    audits) in chunks of `background_chunk` (None: `prefill_chunk`): what a real arrival may wait behind."""
     segments = request.segments
     end = sum(len(seg.token_ids) for seg in segments)
     if not 0 <= hit < end:
         raise ValueError(f"a prefix hit covers at most all but the last prompt token: {hit} of {end}")
-    chunk = warmup_chunk if request.warmup else prefill_chunk
+    chunk = (warmup_chunk if request.warmup else background_chunk if request.internal and background_chunk
+             else prefill_chunk)
     dense: list[int] = []  # positions to compute, ascending
     spans: list[SegmentSpan] = []
     injections: list[Injection] = []

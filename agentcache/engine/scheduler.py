@@ -60,6 +60,7 @@ class BatchScheduler:
         model_key: bytes, hidden_size: int, realign: Callable[[SegmentKV, int], SegmentKV],
         eos_token_ids: frozenset[int], detokenize: Callable[[Sequence[int]], str],
         max_batch: int, prefill_chunk: int, warmup_chunk: int, grammars: Callable[[], Grammars],
+        background_chunk: int | None = None,
         decode_graphs: bool = False,
     ) -> None:
         self.cache = cache
@@ -77,6 +78,7 @@ class BatchScheduler:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.warmup_chunk = warmup_chunk
+        self.background_chunk = background_chunk
         self.waiting: list[Job] = []
         self.live: list[LiveRequest] = []
         self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
@@ -158,7 +160,7 @@ class BatchScheduler:
                 cache.append(*self.cache.gather(lease))
             digests = prefix_digests(prompt, _segment_ends(request), self.model_key)
             layout = prefill_layout(request, lease.hit.tokens, digests, prefill_chunk=self.prefill_chunk,
-                                    warmup_chunk=self.warmup_chunk)
+                                    warmup_chunk=self.warmup_chunk, background_chunk=self.background_chunk)
             live = LiveRequest(job, prompt, lease, cache, digests, layout)
             if request.hidden_layer is not None:
                 live.hidden = HiddenRecord(request.hidden_layer, cache.capacity, self.hidden_size, self.device)
