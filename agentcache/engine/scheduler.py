@@ -77,8 +77,7 @@ class BatchScheduler:
         self.grammars = grammars  # built on first use: most engines never see a constraint
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.warmup_chunk = warmup_chunk
-        self.background_chunk = background_chunk
+        self.warmup_chunk, self.background_chunk = warmup_chunk, background_chunk
         self.waiting: list[Job] = []
         self.live: list[LiveRequest] = []
         self.rows = DecodeRows(self.kv_layout, max_batch, self.device)
