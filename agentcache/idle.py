@@ -11,9 +11,8 @@ budget: a lesson that has waited MAX_WAIT_S runs if learning has taken less than
 time since the worker started. An urgent lesson (an edge's first verdict for a method: until then,
 every call on the edge prefills what it could reuse) waits for neither: it runs next, beside
 calls, unless what it would learn is known by then (`needed`). A lesson that starts beside calls
-computes on one thread. A lesson that started runs to its
-end. When lessons pile up faster than they can run, the oldest are dropped and counted: newer ones
-describe the workload as it is now.
+computes on one thread. A lesson that started runs to its end. When lessons pile up faster than
+they can run, the oldest are dropped and counted: newer ones describe the workload as it is now.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ __all__ = ["Lesson", "IdleWorker", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S", 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # lessons waiting for idle time; the oldest go first beyond this
-IDLE_GRACE_S = 0.5  # no call for this long: idle (over HTTP the next agent of a workflow can take 0.1 s to arrive)
+IDLE_GRACE_S = 0.5  # no call for this long: idle (over HTTP a workflow's next agent arrived 40-50 ms after the last landed)
 MAX_WAIT_S = 1.0  # a lesson waiting this long may run beside calls, within the budget
 CPU_BUDGET = 0.1  # share of wall time learning may take beside calls
 # torch threads of a lesson that starts beside calls: the engine's steps use every core, and a second
