@@ -89,8 +89,12 @@ class Learner:
                 and bool(self._untested(edge, candidates)))
 
     def _untested(self, edge: Edge, candidates: Sequence[Anchor]) -> list[str]:
-        methods = ["raw"] + (["corrected"] if any(fits(a, self.engine.layout) for a in candidates) else [])
+        methods = ["raw"] + (["corrected"] if self._usable(candidates) else [])
         return self.verification.untested(edge, methods)
+
+    def _usable(self, candidates: Sequence[Anchor]) -> list[Anchor]:
+        """The anchors whose shapes fit this engine's model: those a correction can apply."""
+        return [a for a in candidates if fits(a, self.engine.layout)]
 
     def _sibling_lessons(self, served: Served) -> list[Lesson]:
         """A sibling's dense read of a new segment: the leader's prefill is rebuilt (mostly from the
@@ -148,7 +152,7 @@ class Learner:
         if self.verification is not None and shared and exact_reference(served, index):
             aligned = self.engine.realign(source.kv.slice(0, shared), 0)
             methods = [("raw", aligned)]
-            usable = [a for a in candidates if fits(a, self.engine.layout)]
+            usable = self._usable(candidates)
             if usable:
                 fixed = corrected(aligned, usable, min(shared, max(a.length for a in usable)), agent,
                                   self.engine.layout)
