@@ -3,8 +3,9 @@
 A strategy hands the runtime `Lesson`s after a call (building anchors, verifying a reuse method
 on a finished call): each has a `study` part that needs no shared state (factorizing, shadow
 engine requests) and an `apply` part that changes the strategy's state under the runtime's lock.
-One `IdleWorker` thread per runtime runs them one at a time, once no call has been in the runtime
-for IDLE_GRACE_S (the gap between two agents of a sequential workflow is not idle time): on a small
+One `IdleWorker` thread per runtime runs them one at a time, once no call has been in flight for
+IDLE_GRACE_S (the gap between two agents of a sequential workflow is not idle time), in any runtime
+of the process (`calls_in_flight`: their engines share the cores): on a small
 machine the engine uses every core during a call, and float64 eigendecompositions beside it slow
 every call in flight. A runtime that is never idle (a saturated server) still learns, within a
 budget: a lesson that has waited MAX_WAIT_S runs if learning has taken less than CPU_BUDGET of the
@@ -30,7 +31,7 @@ import torch
 
 from agentcache.engine.vllm.gate import set_threads
 
-__all__ = ["Lesson", "IdleWorker", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S", "CPU_BUDGET"]
+__all__ = ["Lesson", "IdleWorker", "CallsInFlight", "calls_in_flight", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S", "CPU_BUDGET"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,26 @@ CPU_BUDGET = 0.1  # share of wall time learning may take beside calls
 # torch threads of a lesson that starts beside calls: the engine's steps use every core, and a second
 # OpenMP team on the same cores slows both (oversubscribed teams cost up to 10x on 2 cores)
 BESIDE_CALLS_THREADS = 1
+
+
+class CallsInFlight:
+    """The calls in flight in this process, over every runtime: a runtime with none of its own is not
+    idle while another runtime's call runs on the same cores (a benchmark's strategies side by side)."""
+
+    def __init__(self) -> None:
+        self._tickets: set[object] = set()  # set.add and discard are atomic: no lock of their own
+
+    def enter(self, ticket: object) -> None:
+        self._tickets.add(ticket)
+
+    def leave(self, ticket: object) -> None:
+        """A call landed: every worker's idle time counts from now."""
+        self._tickets.discard(ticket)
+        for worker in list(_workers):
+            worker.poke()
+
+    def idle(self) -> bool:
+        return not self._tickets
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,7 @@ class IdleWorker:
 
 
 _workers: "weakref.WeakSet[IdleWorker]" = weakref.WeakSet()
+calls_in_flight = CallsInFlight()  # the process's: every runtime enters its calls here
 
 
 @atexit.register

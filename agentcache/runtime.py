@@ -38,7 +38,7 @@ from agentcache.engine.choice import open_engine
 from agentcache.engine.eviction import EvictionPolicy
 from agentcache.engine.protocol import Engine, ExecResult, SamplingParams
 from agentcache.errors import InputError, KVShapeError, RequestCancelled, RopeAlignmentError
-from agentcache.idle import IdleWorker, Lesson
+from agentcache.idle import IdleWorker, Lesson, calls_in_flight
 from agentcache.isolation import Scope
 from agentcache.metrics import CallLog, CallResult
 from agentcache.models import DEFAULT_MODEL
@@ -117,7 +117,7 @@ class Runtime:
         self._threads = {PLANNING: ThreadPoolExecutor(1, thread_name_prefix="agentcache-plan"),  # `arun`'s planning
                          LEARNING: ThreadPoolExecutor(1, thread_name_prefix="agentcache-learn")}  # and settling
         # what finished calls teach the strategy, learned while no call is in flight
-        self._idle = IdleWorker(lambda: not self._flying, self._lock, on_fault=lambda name, exc: self.corrector.fault(
+        self._idle = IdleWorker(calls_in_flight.idle, self._lock, on_fault=lambda name, exc: self.corrector.fault(
             "lesson_error", f"learning from a finished call ({name})", exc))  # called under the lock
         self.anchors = AnchorFiles.open(anchors_dir, self.engine, self.corrector)  # None: not persisted
         self._closing = threading.Event()
@@ -178,6 +178,7 @@ class Runtime:
         the call should wait for; the call is in flight from here (`started`: when it reached the runtime)."""
         flight = _Flight.checked(*arguments, started)
         self._flying.add(flight.ticket)  # set.add and discard are atomic: the count needs no lock of its own
+        calls_in_flight.enter(flight.ticket)
         try:
             with self._lock, torch.inference_mode():
                 flight.locked_s = time.perf_counter() - flight.started  # waiting for other calls' planning or settling
@@ -186,7 +187,7 @@ class Runtime:
                 flight.tokenized, flight.awaited = awaited_context(self.engine, self.corrector, flight.call,
                                                                    flight.tokenized)
         except BaseException:
-            self._flying.discard(flight.ticket)
+            self._land(flight)
             raise
         return flight
 
@@ -202,7 +203,7 @@ class Runtime:
     def _land(self, flight: _Flight) -> None:
         """The call is settled or failed: no longer in flight."""
         self._flying.discard(flight.ticket)
-        self._idle.poke()
+        calls_in_flight.leave(flight.ticket)  # pokes every runtime's idle worker
 
     def _submit(self, flight: _Flight) -> Future:
         flight.submitted = time.perf_counter()

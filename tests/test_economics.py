@@ -298,6 +298,27 @@ def test_idle_time_counts_from_the_last_call_that_landed():
     worker.stop()
 
 
+def test_a_call_in_another_runtime_of_the_process_is_no_idle_time():
+    """Runtimes side by side in one process (a benchmark's strategies) share its cores: one learns
+    when no runtime has a call in flight, counted from the last that landed anywhere."""
+    from agentcache.idle import IDLE_GRACE_S, calls_in_flight
+
+    ran, other_runtimes_call = [], object()
+    worker = IdleWorker(calls_in_flight.idle, threading.RLock(), on_fault=lambda name, exc: None)
+    calls_in_flight.enter(other_runtimes_call)
+    try:
+        time.sleep(IDLE_GRACE_S + 0.1)  # this runtime has had no call for longer than the grace
+        worker.submit([Lesson("when idle", lambda: 1, ran.append)])
+        time.sleep(0.2)  # (a lesson waiting MAX_WAIT_S may run beside calls, within a budget)
+        assert ran == [] and not calls_in_flight.idle()
+    finally:
+        calls_in_flight.leave(other_runtimes_call)
+    landed = time.monotonic()
+    assert worker.drain(5.0) and ran == [1]
+    assert time.monotonic() - landed >= IDLE_GRACE_S * 0.9  # the landing poked this worker too
+    worker.stop()
+
+
 def test_a_lesson_beside_calls_computes_on_one_thread_and_an_idle_one_on_the_machines():
     from agentcache.idle import BESIDE_CALLS_THREADS
 
