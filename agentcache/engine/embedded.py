@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from agentcache.engine.attention import use_engine_attention
+from agentcache.engine.cpu_linear import use_rows_first_linear
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
 from agentcache.engine.eviction import EvictionPolicy, check_eviction
@@ -175,6 +176,7 @@ class EmbeddedEngine(ModelFrontend):
         self.model_source: str | None = _source_of(model)
         self.model = loaded.model.to(self.config.device).eval()
         use_engine_attention(self.model)  # the causal mask implied, not built (engine.attention)
+        use_rows_first_linear(self.model)  # a few rows' products on a CPU (engine.cpu_linear)
         self._init_frontend(loaded, self.model)
         self.block_size = self.config.block_size
         self.runner = ModelRunner(self.model, self.layout)
