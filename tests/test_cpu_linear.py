@@ -21,7 +21,7 @@ def test_rows_first_linear_equals_f_linear_for_any_number_of_rows(rows: int, bia
     assert type(layer) is RowsFirstLinear
     with torch.inference_mode():
         got = layer(x)
-    assert got.shape == (rows, 1, 160) and got.dtype == torch.float32
+    assert got.shape == (rows, 1, 160) and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -32,7 +32,9 @@ class RowsFirstLinear(nn.Linear):
         if rows == 0 or rows > SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, features)  # [rows, in]
-        out = (self.weight @ flat.T).T  # [out, in] @ [in, rows] -> [rows, out]
+        # [out, in] @ [in, rows] -> [rows, out]; contiguous, as F.linear's: in-place kernels
+        # downstream (a grammar's logit mask) assume it
+        out = (self.weight @ flat.T).T.contiguous()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.weight.shape[0])  # [..., out]
