@@ -57,7 +57,7 @@ class CallsInFlight:
     def leave(self, ticket: object) -> None:
         """A call landed: every worker's idle time counts from now."""
         self._tickets.discard(ticket)
-        for worker in list(_workers):
+        for worker in _registered():
             worker.poke()
 
     def idle(self) -> bool:
@@ -99,7 +99,8 @@ class IdleWorker:
         self._busy_since = self._started  # when the runtime was last seen with a call in flight
         self._thread: threading.Thread | None = None  # started by a submit, ends when nothing is pending
         self._threads = torch.get_num_threads()  # an idle machine's: the creating thread's
-        _workers.add(self)
+        with _workers_lock:
+            _workers.add(self)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Drop what is pending and let a running lesson end (the interpreter is exiting: a daemon
@@ -228,10 +229,16 @@ class IdleWorker:
 
 
 _workers: "weakref.WeakSet[IdleWorker]" = weakref.WeakSet()
+_workers_lock = threading.Lock()  # a new runtime's worker may register while a call lands elsewhere
 calls_in_flight = CallsInFlight()  # the process's: every runtime enters its calls here
+
+
+def _registered() -> list[IdleWorker]:
+    with _workers_lock:
+        return list(_workers)
 
 
 @atexit.register
 def _stop_all() -> None:
-    for worker in list(_workers):
+    for worker in _registered():
         worker.stop()
