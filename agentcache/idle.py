@@ -31,7 +31,8 @@ import torch
 
 from agentcache.engine.vllm.gate import set_threads
 
-__all__ = ["Lesson", "IdleWorker", "CallsInFlight", "calls_in_flight", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S", "CPU_BUDGET"]
+__all__ = ["Lesson", "IdleWorker", "CallsInFlight", "calls_in_flight", "MAX_PENDING", "IDLE_GRACE_S", "MAX_WAIT_S",
+           "CPU_BUDGET"]
 
 log = logging.getLogger(__name__)
 

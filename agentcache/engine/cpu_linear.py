@@ -32,11 +32,11 @@ class RowsFirstLinear(nn.Linear):
         if rows == 0 or rows > SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, features)  # [rows, in]
-        # [out, in] @ [in, rows] -> [rows, out]; contiguous, as F.linear's: in-place kernels
-        # downstream (a grammar's logit mask) assume it
+        # [out, in] @ [in, rows] -> [rows, out], copied out of its transposed layout: in-place
+        # kernels downstream (a grammar's logit mask) assume F.linear's contiguous output
         out = (self.weight @ flat.T).T.contiguous()
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)  # in the copy: no second tensor
         return out.reshape(*x.shape[:-1], self.weight.shape[0])  # [..., out]
 
 

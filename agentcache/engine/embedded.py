@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from agentcache.engine.attention import use_engine_attention
-from agentcache.engine.cpu_linear import use_rows_first_linear
 from agentcache.engine.blocks import BlockPool
 from agentcache.engine.cache_manager import CacheManager
+from agentcache.engine.cpu_linear import use_rows_first_linear
 from agentcache.engine.eviction import EvictionPolicy, check_eviction
 from agentcache.engine.frontend import ModelFrontend
 from agentcache.engine.kv import CallCache, SegmentKV
