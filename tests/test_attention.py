@@ -88,3 +88,36 @@ def test_a_padding_mask_from_the_caller_is_honoured():
         got, want = got_want[1], got_want[0]
         assert torch.allclose(got[:, -1], want[:, -1], atol=1e-5), preset  # the rows' last tokens, padding aside
         assert torch.allclose(got[1, 9:], want[1, 9:], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_grouped_attention_computes_what_hf_sdpa_computes_without_repeating_heads(dtype, monkeypatch):
+    """A masked pass over grouped key heads (a decode step's rows, the scattered pass) stacks each
+    group's query heads instead of repeating the key and value heads: the same output as HF's SDPA
+    path, for additive and bool masks, one mask row per batch row or one for all, one query or many."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 7, True
+    torch.manual_seed(2)
+    # (batch, queries, keys, mask rows, stacked): 70 queries' stacked mask outweighs the repeated heads
+    for batch, new, seen, mask_rows, stacked in [(3, 1, 37, 3, True), (1, 5, 40, 1, True), (2, 4, 9, 1, True),
+                                                 (1, 70, 80, 1, False)]:
+        query = torch.randn(batch, 14, new, 16, dtype=dtype)
+        key, value = torch.randn(2, batch, 2, seen, 16, dtype=dtype)
+        where = torch.randint(seen - new, seen, (mask_rows, new))  # (rows, T): each query's own position
+        allowed = torch.arange(seen)[None, None, :] <= where[:, :, None]  # (rows, T, S)
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        for mask in (allowed[:, None], additive[:, None]):
+            want, _ = hf_sdpa.sdpa_attention_forward(module, query, key, value, mask, is_causal=False, scaling=0.25)
+            with monkeypatch.context() as patched:
+                if stacked:
+                    patched.setattr(hf_sdpa, "repeat_kv", _refuse_repeated_heads)
+                got, _ = attention.masked_attention(module, query, key, value, mask, scaling=0.25)
+            assert got.shape == want.shape == (batch, new, 14, 16)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance), (batch, new, seen, mask.dtype)
+
+
+def _refuse_repeated_heads(*_):
+    pytest.fail("the key and value heads were repeated")
